@@ -1,0 +1,313 @@
+"""The walltime protocol: the one contract between the launcher and a trainer. Stdlib only.
+
+The segment script gives the trainer, in its environment:
+
+    HPCRL_RUN_DIR      the run directory (metrics go to HPCRL_METRICS inside it)
+    HPCRL_CKPT_DIR     where checkpoints live (one sub-directory per checkpoint)
+    HPCRL_SEGMENT      the segment number, 1-based
+    HPCRL_DEADLINE     absolute unix time (float seconds) by which the trainer must have
+                       saved and exited
+    HPCRL_METRICS      the JSON-lines file for metrics (one object per line, with "step")
+
+Before the deadline the trainer also gets SIGUSR1 ("checkpoint now, then exit for
+continuation"). SIGTERM means "you are being killed or preempted: save if you can, exit".
+Exit codes: EXIT_COMPLETE (0) when training is done, EXIT_CONTINUE when it stopped to be
+continued by the next segment; anything else is a failure.
+
+Checkpoints: each is a directory CKPT_DIR/step-<N:08d>/ holding its files and a MANIFEST.json
+(sha256 and size of every file), written as CKPT_DIR/.tmp-*/ then fsync'ed and renamed; the
+pointer file CKPT_DIR/LATEST names the newest complete one and is replaced atomically last.
+`publish_checkpoint` and `find_latest_checkpoint` implement this for every trainer in hpcrl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EXIT_COMPLETE = 0
+EXIT_CONTINUE = 85  # stopped for continuation (like Slurm's "requeue" convention of a named code)
+
+ENV_RUN_DIR = "HPCRL_RUN_DIR"
+ENV_CKPT_DIR = "HPCRL_CKPT_DIR"
+ENV_SEGMENT = "HPCRL_SEGMENT"
+ENV_DEADLINE = "HPCRL_DEADLINE"
+ENV_METRICS = "HPCRL_METRICS"
+
+METRICS_FILE = "metrics.jsonl"
+POINTER_FILE = "LATEST"
+MANIFEST_FILE = "MANIFEST.json"
+_CKPT_RE = re.compile(r"^step-(\d{8,})$")
+
+
+# ---------------------------------------------------------------- environment
+
+
+class Context:
+    """What the segment script told the trainer (or sensible stand-ins when run by hand)."""
+
+    def __init__(self, run_dir, ckpt_dir, segment: int, deadline: float | None, metrics):
+        self.run_dir = Path(run_dir)
+        self.ckpt_dir = Path(ckpt_dir)
+        self.segment = segment
+        self.deadline = deadline
+        self.metrics_path = Path(metrics)
+
+    @classmethod
+    def from_env(cls, env=None, default_run_dir: str | os.PathLike = ".") -> "Context":
+        env = os.environ if env is None else env
+        run_dir = Path(env.get(ENV_RUN_DIR) or default_run_dir)
+        deadline = env.get(ENV_DEADLINE)
+        return cls(
+            run_dir=run_dir,
+            ckpt_dir=env.get(ENV_CKPT_DIR) or run_dir / "checkpoints",
+            segment=int(env.get(ENV_SEGMENT) or 1),
+            deadline=float(deadline) if deadline else None,
+            metrics=env.get(ENV_METRICS) or run_dir / METRICS_FILE,
+        )
+
+    def seconds_left(self, now: float | None = None) -> float:
+        if self.deadline is None:
+            return float("inf")
+        return self.deadline - (time.time() if now is None else now)
+
+
+class StopFlag:
+    """Records SIGUSR1/SIGTERM so the training loop can stop at a safe point.
+
+    The handlers only set flags: saving from inside a signal handler could interrupt a
+    half-written step. The loop calls `should_stop(next_step_s)` between steps.
+    """
+
+    def __init__(self, ctx: Context, margin_s: float = 5.0, install: bool = True):
+        self.ctx = ctx
+        self.margin_s = margin_s
+        self.usr1 = False
+        self.term = False
+        if install:
+            signal.signal(signal.SIGUSR1, self._on_usr1)
+            signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_usr1(self, signum, frame):
+        self.usr1 = True
+
+    def _on_term(self, signum, frame):
+        self.term = True
+
+    @property
+    def reason(self) -> str | None:
+        if self.term:
+            return "SIGTERM"
+        if self.usr1:
+            return "SIGUSR1"
+        if self.ctx.seconds_left() <= self.margin_s:
+            return "deadline"
+        return None
+
+    def should_stop(self, next_step_s: float = 0.0, save_s: float = 0.0) -> bool:
+        """True when a signal came, or the next step plus a save would overrun the deadline."""
+        if self.usr1 or self.term:
+            return True
+        return self.ctx.seconds_left() <= self.margin_s + next_step_s + save_s
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def append_metrics(path, record: dict) -> None:
+    """Append one JSON object as a line; flushed and fsync'ed so `status` sees it at once."""
+    line = json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_last_metrics(path, max_bytes: int = 65536, key: str | None = None) -> dict | None:
+    """The newest complete metrics record (optionally the newest that has `key`)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    for line in reversed(tail.splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn last line or the cut first line of the tail
+        if isinstance(rec, dict) and (key is None or key in rec):
+            return rec
+    return None
+
+
+# ---------------------------------------------------------------- atomic files
+
+
+def fsync_dir(path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path, text: str, mode: int | None = None) -> None:
+    """Write via a temporary file in the same directory, fsync, rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def checkpoint_step_of(path) -> int | None:
+    m = _CKPT_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def _sha256(path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory, extra: dict | None = None) -> dict:
+    """Checksum every file in `directory` (recursively) into MANIFEST.json; fsync each file."""
+    directory = Path(directory)
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST_FILE:
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            files[str(p.relative_to(directory))] = {"sha256": _sha256(p), "size": p.stat().st_size}
+    manifest = {"files": files, **(extra or {})}
+    atomic_write_json(directory / MANIFEST_FILE, manifest)
+    return manifest
+
+
+def verify_checkpoint(directory, deep: bool = True) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{directory.name}: missing or unreadable {MANIFEST_FILE}"
+    for rel, meta in files.items():
+        p = directory / rel
+        try:
+            size = p.stat().st_size
+        except OSError:
+            return f"{directory.name}: file {rel} is missing"
+        if size != meta.get("size"):
+            return f"{directory.name}: file {rel} has {size} bytes, manifest says {meta.get('size')}"
+        if deep and _sha256(p) != meta.get("sha256"):
+            return f"{directory.name}: file {rel} fails its sha256 check"
+    return None
+
+
+def new_checkpoint_dir(ckpt_dir) -> Path:
+    """A fresh temporary directory inside ckpt_dir to write a checkpoint into."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir))
+
+
+def publish_checkpoint(ckpt_dir, tmp_dir, step: int, keep_last: int = 3, extra: dict | None = None) -> Path:
+    """Seal a fully written temporary checkpoint: manifest, fsync, rename, pointer, prune."""
+    ckpt_dir = Path(ckpt_dir)
+    write_manifest(tmp_dir, {"step": step, "time": time.time(), **(extra or {})})
+    fsync_dir(tmp_dir)
+    final = ckpt_dir / checkpoint_name(step)
+    if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp_dir, final)
+    fsync_dir(ckpt_dir)
+    atomic_write_text(ckpt_dir / POINTER_FILE, final.name + "\n")
+    prune_checkpoints(ckpt_dir, keep_last)
+    return final
+
+
+def list_checkpoints(ckpt_dir) -> list[tuple[int, Path]]:
+    """(step, path) of every sealed checkpoint directory, oldest first."""
+    try:
+        entries = list(Path(ckpt_dir).iterdir())
+    except OSError:
+        return []
+    found = [(checkpoint_step_of(p), p) for p in entries if p.is_dir()]
+    return sorted((s, p) for s, p in found if s is not None)
+
+
+def prune_checkpoints(ckpt_dir, keep_last: int) -> None:
+    ckpts = list_checkpoints(ckpt_dir)
+    for _, path in ckpts[: max(0, len(ckpts) - max(1, keep_last))]:
+        shutil.rmtree(path, ignore_errors=True)
+    for stale in Path(ckpt_dir).glob(".tmp-*"):
+        # leftovers of a save that was killed; only ever the writer's own, as one process saves
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def find_latest_checkpoint(ckpt_dir, deep: bool = True, warn=None) -> tuple[int, Path] | None:
+    """The newest intact checkpoint, newest first; a torn or corrupt one is skipped with a warning.
+
+    `warn` receives a one-line message for every checkpoint skipped (default: stderr).
+    """
+    warn = warn or (lambda msg: print(f"hpcrl: warning: {msg}", file=sys.stderr))
+    for step, path in reversed(list_checkpoints(ckpt_dir)):
+        problem = verify_checkpoint(path, deep=deep)
+        if problem is None:
+            return step, path
+        warn(f"checkpoint {problem}; falling back to an older one")
+    return None
+
+
+def latest_checkpoint_step(ckpt_dir) -> int | None:
+    """Cheap read for `status`: the step the pointer names (no checksum pass)."""
+    try:
+        name = (Path(ckpt_dir) / POINTER_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        ckpts = list_checkpoints(ckpt_dir)
+        return ckpts[-1][0] if ckpts else None
+    return checkpoint_step_of(name)

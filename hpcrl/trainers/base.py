@@ -1,0 +1,84 @@
+"""The interface every trainer adapter implements (launcher side; never imports torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import protocol
+from ..errors import SpecError, did_you_mean, one_of
+
+
+@dataclass
+class TrainerContext:
+    """Everything an adapter may use to build its command line for one run.
+
+    Paths are as the job sees them. `site` and `resources` are plain dicts from the resolved
+    spec (site keys such as gpus_per_node, chips_per_vm; resources such as nodes).
+    """
+
+    run_id: str
+    run_dir: Path
+    ckpt_dir: Path
+    args: dict
+    site: dict
+    resources: dict
+    python: str = "python3"  # the interpreter that runs the trainer inside the job
+    extra: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """Base adapter. Subclasses set `name`, `defaults` and override `command`."""
+
+    name = "base"
+    # Allowed keys of the spec's `args:` with their defaults; None means "required/no default".
+    defaults: dict = {}
+    # Keys in `defaults` that the user must set (no sensible default exists).
+    required: tuple = ()
+    # Runs the trainer as the protocol says (signals + deadline) or needs help (verl, maxtext).
+    obeys_protocol = True
+
+    def validate_args(self, args: dict) -> dict:
+        """Return args merged over the defaults; unknown or missing keys raise SpecError."""
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise SpecError(f"args: expected a mapping of {self.name} trainer arguments, got {type(args).__name__}")
+        for key in args:
+            if key not in self.defaults:
+                raise SpecError(
+                    f"args.{key}: unknown argument for trainer '{self.name}'{did_you_mean(key, self.defaults)}; "
+                    f"allowed: {one_of(self.defaults)}"
+                )
+        merged = {**self.defaults, **args}
+        for key in self.required:
+            if merged.get(key) in (None, ""):
+                raise SpecError(f"args.{key}: trainer '{self.name}' needs a value; set it in the spec or with --set args.{key}=VALUE")
+        return merged
+
+    def requirements(self, args: dict, site: dict) -> list[str]:
+        """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""
+        return []
+
+    def files(self, ctx: TrainerContext) -> dict[str, str]:
+        """Files (name relative to the run dir -> text) written into the run dir at submit."""
+        return {}
+
+    def command(self, ctx: TrainerContext) -> list[str]:
+        """argv of the trainer process; the renderer quotes each element."""
+        raise NotImplementedError
+
+    def env(self, ctx: TrainerContext) -> dict[str, str]:
+        """Extra environment for the trainer (no secrets: those come from the user's env)."""
+        return {}
+
+    def bootstrap(self, ctx: TrainerContext) -> str:
+        """Trusted bash run before the trainer starts (e.g. a Ray cluster); '' for none.
+
+        Must quote every value it interpolates with hpcrl.render.q.
+        """
+        return ""
+
+    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path) -> int | None:
+        """The step of the newest complete checkpoint, or None; cheap (called by `status`)."""
+        return protocol.latest_checkpoint_step(ckpt_dir)
