@@ -76,7 +76,8 @@ class Backend:
         """Queue `script`; if `after` is a job id, start only after that job ends (any way)."""
         raise NotImplementedError
 
-    def query(self, job_ids: list[str]) -> dict[str, JobInfo]:
+    def query(self, job_ids: list[str], run_dir: Path | None = None) -> dict[str, JobInfo]:
+        """State of each job id (run_dir: where a backend keeps per-run queue files, if any)."""
         raise NotImplementedError
 
     def cancel(self, job_ids: list[str], run_dir: Path | None = None) -> None:
@@ -85,3 +86,8 @@ class Backend:
     def current_job_id(self, environ) -> str | None:
         """Inside a job: this job's id from the environment."""
         raise NotImplementedError
+
+    def end_time(self, job_id: str, run_dir: Path, environ) -> float | None:
+        """Inside a job: when the scheduler will end it (unix s), from the scheduler itself."""
+        info = self.query([job_id], run_dir=run_dir).get(job_id)
+        return info.end_time if info else None

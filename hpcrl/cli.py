@@ -1,0 +1,241 @@
+"""The `hpcrl` command: one thin function per verb. Catches HpcrlError only (one-line errors);
+anything else is a bug and keeps its traceback. Imports stay inside the commands so that
+`hpcrl --help`, `status` and `logs` start fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import HpcrlError
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", nargs="?", help="spec file (default: ./hpcrl.yaml if present)")
+    p.add_argument("--site", help="site profile (hpcrl sites lists them; default: local)")
+    p.add_argument("--hours", type=float, help="walltime of each segment, in hours")
+    p.add_argument("--hours-min", type=float, help="shortest acceptable walltime (Slurm --time-min, for backfill)")
+    p.add_argument("--total-hours", type=float, help="budget: stop the chain after this many hours in all")
+    p.add_argument("--max-segments", type=int, help="budget: stop after this many segments")
+    p.add_argument("--qos", help="QOS (a shortcut for --set site.qos=Q)")
+    p.add_argument("--account", help="account to charge (a shortcut for --set site.account=A)")
+    p.add_argument("--nodes", type=int, help="nodes per segment")
+    p.add_argument("--trainer", help="trainer (smoke, builtin, verl, maxtext); enough without a spec file")
+    p.add_argument("--name", help="run name (letters, digits, ._-); default: spec name + time")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a spec value by dotted key (args.lr=1e-6, site.account=m1234_g); repeatable")
+
+
+def _resolve(ns):
+    from .spec import resolve, validate_name
+
+    spec = ns.spec
+    if spec is None and not ns.trainer and os.path.exists("hpcrl.yaml"):
+        spec = "hpcrl.yaml"
+    if spec is None and not ns.trainer:
+        raise HpcrlError("no spec: pass a spec file, run `hpcrl init` to write ./hpcrl.yaml, or use --trainer smoke")
+    if ns.name is not None:
+        validate_name(ns.name)
+    flags = {k: getattr(ns, k) for k in ("hours", "hours_min", "total_hours", "max_segments", "qos", "account",
+                                         "nodes", "trainer")}
+    return resolve(spec, ns.site, ns.sets, flags)
+
+
+def cmd_render(ns) -> int:
+    from . import launch
+
+    sys.stdout.write(launch.render(_resolve(ns), ns.name))
+    return 0
+
+
+def cmd_submit(ns) -> int:
+    from . import launch
+
+    run = launch.submit(_resolve(ns), ns.name)
+    state = run.state()
+    job = state["segments"][-1]["job_id"] if state["segments"] else "-"
+    print(f"submitted run {run.id} (job {job}) on site {state['site']}")
+    print(f"  run dir: {run.dir}")
+    print(f"  watch:   hpcrl status {run.id}   |   hpcrl logs {run.id} -f")
+    return 0
+
+
+def cmd_status(ns) -> int:
+    from . import launch, report, runs
+
+    ids = [ns.run] if ns.run else runs.registered_ids()
+    rows = []
+    for run_id in ids:
+        try:
+            run = runs.Run.by_id(run_id)
+            state = launch.refresh(run)
+        except HpcrlError:
+            if ns.run:
+                raise
+            continue  # a run whose directory was deleted: skip it in the overview
+        rows.append((run, state, report.summary(run, state)))
+    if ns.json:
+        print(json.dumps([r[2] for r in rows], indent=1))
+    elif ns.run:
+        print(report.detail(*rows[0]))
+    elif not rows:
+        print("no runs yet: `hpcrl submit --trainer smoke --hours 0.01` tries the whole chain locally")
+    else:
+        print(report.format_table([report.table_row(r[2]) for r in rows], colour=sys.stdout.isatty()))
+    return 0
+
+
+def cmd_logs(ns) -> int:
+    from . import report, runs
+
+    run = runs.Run.by_id(ns.run)
+    index = report.pick_segment(run.state(), ns.segment)
+    try:
+        report.follow(run, index, sys.stdout, follow_on=ns.follow)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_resume(ns) -> int:
+    from . import launch
+
+    run = launch.resume(ns.run, hours=ns.hours, total_hours=ns.total_hours, max_segments=ns.max_segments)
+    print(f"resumed run {run.id} (job {run.state()['segments'][-1]['job_id']})")
+    return 0
+
+
+def cmd_cancel(ns) -> int:
+    from . import launch
+
+    run = launch.cancel(ns.run)
+    print(f"cancelled run {run.id}")
+    return 0
+
+
+def cmd_sites(ns) -> int:
+    from .spec import list_sites, load_site
+
+    rows = []
+    for name in sorted(list_sites()):
+        site = load_site(name)
+        qos = {q: (v or {}).get("max_hours") for q, v in (site.get("qos_table") or {}).items()}
+        rows.append({"name": name, "scheduler": site["scheduler"], "description": site.get("description", ""),
+                     "qos": qos, "default_qos": site.get("qos"), "file": site["_file"]})
+    if ns.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        limits = ", ".join(f"{q} {h:g}h" for q, h in r["qos"].items() if h is not None)
+        print(f"{r['name']:<14} {r['scheduler']:<6} {r['description']}")
+        if limits:
+            print(f"{'':<14} qos: {limits} (default {r['default_qos']})")
+    return 0
+
+
+def cmd_init(ns) -> int:
+    from . import recipes
+
+    if ns.list:
+        for name, title in recipes.available().items():
+            print(f"{name:<28} {title}")
+        return 0
+    path = recipes.write(ns.recipe, ns.out, force=ns.force)
+    print(f"wrote {path}; edit it, then `hpcrl render` to see the script and `hpcrl submit` to run it")
+    return 0
+
+
+def cmd_segment(ns) -> int:
+    """Called by the segment script inside the job (not for users)."""
+    from . import launch
+
+    if ns.phase == "begin":
+        started = launch.segment_begin(ns.run_dir, ns.job_id)
+        if started is None:
+            return launch.NOTHING_TO_DO
+        print(f"{started[0]} {started[1]:.3f}")
+    else:
+        launch.segment_end(ns.run_dir, ns.job_id, ns.rc)
+    return 0
+
+
+def _rl_command(name: str):
+    def run(ns) -> int:
+        try:
+            from .rl import commands
+        except ImportError as e:
+            raise HpcrlError(f"`hpcrl {name}` needs the ML extra: pip install 'hpcrl[rl]' ({e.name} is missing)") from None
+        return getattr(commands, f"cmd_{name}")(ns.rest)
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcrl", description="RL post-training on batch systems with walltimes: "
+                                "render, submit, checkpoint before the walltime, resubmit, resume, watch.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, fn, help_ in (("submit", cmd_submit, "create a run and queue its first segment"),
+                            ("render", cmd_render, "print the exact script submit would send")):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        _add_run_options(sp)
+        sp.set_defaults(func=fn)
+    sp = sub.add_parser("status", help="where every run stands (or one run in detail)")
+    sp.add_argument("run", nargs="?")
+    sp.add_argument("--json", action="store_true", help="machine-readable list of runs")
+    sp.set_defaults(func=cmd_status)
+    sp = sub.add_parser("logs", help="print or follow (-f) a run's log across its segments")
+    sp.add_argument("run")
+    sp.add_argument("-f", "--follow", action="store_true", help="follow live, moving on to each next segment")
+    sp.add_argument("--segment", type=int, help="segment K (default: the newest)")
+    sp.set_defaults(func=cmd_logs)
+    sp = sub.add_parser("resume", help="continue a stopped, cancelled or failed run from its last checkpoint")
+    sp.add_argument("run")
+    sp.add_argument("--hours", type=float, help="new walltime per segment")
+    sp.add_argument("--total-hours", type=float, help="new total budget in hours")
+    sp.add_argument("--max-segments", type=int, help="new segment limit")
+    sp.set_defaults(func=cmd_resume)
+    sp = sub.add_parser("cancel", help="cancel a run's running and queued jobs")
+    sp.add_argument("run")
+    sp.set_defaults(func=cmd_cancel)
+    sp = sub.add_parser("sites", help="built-in and user site profiles, with their QOS limits")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_sites)
+    sp = sub.add_parser("init", help="write a commented starter spec (./hpcrl.yaml)")
+    sp.add_argument("--recipe", default="smoke", help="recipe name (--list shows them)")
+    sp.add_argument("--list", action="store_true", help="list the recipes")
+    sp.add_argument("--out", default="hpcrl.yaml", help="where to write the spec")
+    sp.add_argument("--force", action="store_true", help="overwrite an existing file")
+    sp.set_defaults(func=cmd_init)
+    for name, help_ in (("data", "make datasets: countdown, gsm8k (needs hpcrl[rl])"),
+                        ("model", "build a tiny local model: model tiny --out DIR (needs hpcrl[rl])")):
+        sp = sub.add_parser(name, help=help_, add_help=False)
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+        sp.set_defaults(func=_rl_command(name))
+    sp = sub.add_parser("_segment")  # used by the segment script; hidden from the help list
+    sp.add_argument("phase", choices=["begin", "end"])
+    sp.add_argument("run_dir")
+    sp.add_argument("--job-id", required=True)
+    sp.add_argument("--rc", type=int, default=0)
+    sp.set_defaults(func=cmd_segment)
+    sub._choices_actions = [a for a in sub._choices_actions if a.dest != "_segment"]
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if not getattr(ns, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return ns.func(ns)
+    except HpcrlError as e:
+        print(f"hpcrl: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

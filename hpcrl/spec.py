@@ -1,0 +1,407 @@
+"""Spec and site models: loading, validation, precedence.
+
+Precedence, highest first: CLI flag > --set key=value > spec file > site profile > default.
+The result of `resolve` is plain data (dicts), frozen into the run directory at submit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from .errors import SiteError, SpecError, did_you_mean, one_of
+from .paths import site_configs_dir, user_sites_dir
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names that look like credentials: they must come from the user's environment, never a file.
+SECRET_RE = re.compile(r"(TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
+
+SPEC_DEFAULTS = {
+    "name": None,
+    "trainer": "smoke",
+    "args": {},
+    "resources": {"nodes": 1, "gpus_per_node": None, "cpus_per_task": None, "mem_gb": None},
+    "budget": {"hours": None, "hours_min": None, "total_hours": None, "max_segments": 20},
+    "env": {},
+    "requirements": [],
+    "scheduler_flags": {},
+    "site": {},
+}
+
+SITE_DEFAULTS = {
+    "name": None,
+    "description": "",
+    "extends": None,
+    "scheduler": None,
+    "account": None,
+    "account_env": "HPCRL_ACCOUNT",
+    "required": [],
+    "qos": None,
+    "qos_table": {},
+    "partition": None,
+    "constraint": None,
+    "gpus_per_node": 0,
+    "chips_per_vm": None,
+    "cpus_per_task": None,
+    "mem_gb": None,
+    "default_hours": 1.0,
+    "modules": [],
+    "setup": [],
+    "python": "python3",
+    "venv_root": None,
+    "outputs": None,
+    "env": {},
+    "signal_lead_s": 120,
+    "exit_margin_s": 30,
+    "kill_grace_s": 30,
+    "scheduler_flags": {},
+    "hpcrl_python": None,
+    # tpu
+    "project": None,
+    "zone": None,
+    "accelerator_type": None,
+    "runtime_version": None,
+    "provisioning": None,
+    "bucket": None,
+    "max_retries": None,
+}
+
+# Scheduler flags hpcrl sets itself: a user must use the dedicated option instead.
+RESERVED_FLAGS = {
+    "time": "--hours", "t": "--hours", "time-min": "--hours-min", "job-name": "--name", "J": "--name",
+    "output": "(the run directory)", "o": "(the run directory)", "error": "(the run directory)",
+    "signal": "site.signal_lead_s", "account": "--account", "A": "--account", "qos": "--qos", "q": "--qos",
+    "dependency": "(hpcrl chains segments)", "d": "(hpcrl chains segments)", "nodes": "--nodes",
+    "N": "--nodes", "open-mode": "(always append)", "parsable": "(always on)", "wrap": "(not allowed)",
+}
+FLAG_NAME_RE = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+# ---------------------------------------------------------------- YAML
+
+
+def load_yaml(path: Path, what: str) -> dict:
+    import yaml  # lazy: `status` and `logs` never need it
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{what} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{what} {path}: cannot read it ({e.__class__.__name__})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"{what} {path}:{where} is not valid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{what} {path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def parse_set(items: list[str]) -> dict:
+    """--set a.b=VALUE ... into a nested dict; values are YAML scalars ('4' -> 4, 'true' -> True)."""
+    import yaml
+
+    out: dict = {}
+    for item in items or []:
+        key, sep, raw = str(item).partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set budget.total_hours=10")
+        parts = key.strip().split(".")
+        if any(not p for p in parts):
+            raise SpecError(f"--set {item!r}: the key {key!r} has an empty part; use dotted keys like args.lr")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, (dict, list)) and not raw.strip().startswith(("{", "[")):
+            value = raw
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"--set {item!r}: '{p}' is set twice, once as a value")
+        node[parts[-1]] = value
+    return out
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in (over or {}).items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------- sites
+
+
+def _site_file(name: str) -> Path | None:
+    for d in (user_sites_dir(), site_configs_dir()):
+        p = d / f"{name}.yaml"
+        if p.is_file():
+            return p
+    return None
+
+
+def list_sites() -> dict[str, Path]:
+    """name -> file, user profiles shadowing built-ins."""
+    found = {}
+    for d in (site_configs_dir(), user_sites_dir()):
+        if d.is_dir():
+            for p in sorted(d.glob("*.yaml")):
+                found[p.stem] = p
+    return found
+
+
+def _check_keys(data: dict, allowed: dict, where: str) -> None:
+    for key in data:
+        if key not in allowed:
+            raise SpecError(f"{where}{key}: unknown key{did_you_mean(key, allowed)}; allowed: {one_of(allowed)}")
+
+
+def load_site(name: str, _seen: tuple = ()) -> dict:
+    """The site profile `name` with its `extends:` chain merged (user profiles first)."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise SiteError(f"--site {name!r}: a site name has letters, digits and ._- only")
+    path = _site_file(name)
+    if path is None:
+        known = list_sites()
+        raise SiteError(f"--site {name}: unknown site{did_you_mean(name, known)}; known: {one_of(known)} "
+                        f"(or add {user_sites_dir()}/{name}.yaml)")
+    if name in _seen:
+        raise SiteError(f"site {name}: 'extends' loops back to itself ({' -> '.join(_seen + (name,))})")
+    data = load_yaml(path, "site file")
+    _check_keys(data, SITE_DEFAULTS, f"site file {path}: ")
+    parent = data.get("extends")
+    if parent == name and path.parent == user_sites_dir():
+        base = _load_builtin_site(name, path)
+    elif parent:
+        base = load_site(parent, _seen + (name,))
+    else:
+        base = dict(SITE_DEFAULTS)
+    merged = deep_merge(base, {k: v for k, v in data.items() if k != "extends"})
+    merged["name"] = name
+    merged["_file"] = str(path)
+    return merged
+
+
+def _load_builtin_site(name: str, user_path: Path) -> dict:
+    # A user profile may extend the built-in of the same name (~/.config/hpcrl/sites/perlmutter.yaml
+    # with `extends: perlmutter` to add an account).
+    builtin = site_configs_dir() / f"{name}.yaml"
+    if not builtin.is_file():
+        raise SiteError(f"site file {user_path}: extends '{name}', but there is no built-in site of that name")
+    data = load_yaml(builtin, "site file")
+    return deep_merge(dict(SITE_DEFAULTS), data)
+
+
+# ---------------------------------------------------------------- validation helpers
+
+
+def _number(value, where: str, minimum: float | None = None, integer: bool = False, allow_none=True):
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        kind = "a whole number" if integer else "a number"
+        raise SpecError(f"{where}: expected {kind}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(f"{where}: must be at least {minimum}, got {value!r}")
+    return int(value) if integer else value
+
+
+def _mapping(value, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: expected a mapping (key: value), got {type(value).__name__} {value!r}")
+    return value
+
+
+def _str_list(value, where: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpecError(f"{where}: expected a list of strings, got {value!r}")
+    for v in value:
+        if "\n" in v or "\0" in v:
+            raise SpecError(f"{where}: {v!r} contains a newline; give one item per list entry")
+    return value
+
+
+def validate_env(env, where: str) -> dict[str, str]:
+    env = _mapping(env, where)
+    out = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not ENV_NAME_RE.match(key):
+            raise SpecError(f"{where}.{key}: not a valid environment variable name (letters, digits, _)")
+        if SECRET_RE.search(key):
+            raise SpecError(f"{where}.{key}: looks like a secret; export it in your shell instead "
+                            f"(hpcrl passes it to the job through the environment, never a file)")
+        if isinstance(value, (dict, list)) or value is None:
+            raise SpecError(f"{where}.{key}: expected a string or number, got {value!r}")
+        value = str(value).lower() if isinstance(value, bool) else str(value)
+        if "\0" in value:
+            raise SpecError(f"{where}.{key}: contains a NUL byte")
+        out[key] = value
+    return out
+
+
+def validate_scheduler_flags(flags, where: str) -> dict:
+    flags = _mapping(flags, where)
+    for key, value in flags.items():
+        key = str(key)
+        if key in RESERVED_FLAGS:
+            raise SpecError(f"{where}.{key}: hpcrl sets --{key} itself; use {RESERVED_FLAGS[key]}")
+        if not FLAG_NAME_RE.match(key):
+            raise SpecError(f"{where}.{key}: not a scheduler option name (lowercase letters, digits, -), "
+                            f"e.g. mail-type: END")
+        if isinstance(value, (dict, list)) or (isinstance(value, str) and ("\n" in value or "\0" in value)):
+            raise SpecError(f"{where}.{key}: expected a single-line value, got {value!r}")
+    return {str(k): v for k, v in flags.items()}
+
+
+# ---------------------------------------------------------------- resolution
+
+
+def _validate_spec_shape(spec: dict) -> None:
+    _check_keys(spec, SPEC_DEFAULTS, "")
+    for section in ("resources", "budget"):
+        _check_keys(_mapping(spec.get(section), section), SPEC_DEFAULTS[section], f"{section}.")
+    _check_keys(_mapping(spec.get("site"), "site"), SITE_DEFAULTS, "site.")
+
+
+def validate_name(name, where: str = "--name") -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise SpecError(f"{where} {name!r}: a run name has 1-64 letters, digits and . _ - (starting with a letter or digit)")
+    return name
+
+
+def _validate_resources(res: dict, site: dict) -> dict:
+    res = dict(res)
+    res["nodes"] = _number(res.get("nodes"), "resources.nodes", 1, integer=True, allow_none=False)
+    for key, minimum in (("gpus_per_node", 0), ("cpus_per_task", 1)):
+        if res.get(key) is None:
+            res[key] = site.get(key)
+        res[key] = _number(res[key], f"resources.{key}", minimum, integer=True)
+    if res.get("mem_gb") is None:
+        res["mem_gb"] = site.get("mem_gb")
+    res["mem_gb"] = _number(res["mem_gb"], "resources.mem_gb", 0.001)
+    return res
+
+
+def _validate_budget(budget: dict, site: dict) -> dict:
+    b = dict(budget)
+    if b.get("hours") is None:
+        b["hours"] = site.get("default_hours") or 1.0
+    b["hours"] = _number(b["hours"], "budget.hours (--hours)", 0.001, allow_none=False)
+    b["hours_min"] = _number(b.get("hours_min"), "budget.hours_min (--hours-min)", 0.001)
+    if b["hours_min"] is not None and b["hours_min"] > b["hours"]:
+        raise SpecError(f"budget.hours_min (--hours-min) {b['hours_min']}: must not exceed --hours {b['hours']}")
+    b["total_hours"] = _number(b.get("total_hours"), "budget.total_hours (--total-hours)", 0.001)
+    b["max_segments"] = _number(b.get("max_segments"), "budget.max_segments (--max-segments)", 1, integer=True,
+                                allow_none=False)
+    return b
+
+
+def _validate_site(site: dict, hours: float) -> dict:
+    from . import backends
+
+    name = site.get("name")
+    if site.get("scheduler") not in backends.names():
+        raise SiteError(f"site '{name}': scheduler must be one of {one_of(backends.names())}, got {site.get('scheduler')!r}")
+    if not site.get("account") and site.get("account_env"):
+        site["account"] = os.environ.get(site["account_env"]) or None
+    for key in _str_list(site.get("required"), f"site '{name}': required"):
+        if site.get(key) in (None, ""):
+            raise SiteError(_missing_site_value(site, key))
+    _validate_qos(site, hours)
+    for key in ("signal_lead_s", "exit_margin_s", "kill_grace_s"):
+        site[key] = _number(site.get(key), f"site '{name}': {key}", 0, allow_none=False)
+    site["modules"] = _str_list(site.get("modules"), f"site '{name}': modules")
+    site["setup"] = _str_list(site.get("setup"), f"site '{name}': setup")
+    site["env"] = validate_env(site.get("env"), f"site '{name}': env")
+    site["scheduler_flags"] = validate_scheduler_flags(site.get("scheduler_flags"), f"site '{name}': scheduler_flags")
+    return site
+
+
+def _missing_site_value(site: dict, key: str) -> str:
+    name = site.get("name")
+    hint = {"account": " --account VALUE,"}.get(key, "")
+    env = f" export {site['account_env']}=VALUE," if key == "account" and site.get("account_env") else ""
+    return (f"site '{name}' needs a value for '{key}': pass{hint} --set site.{key}=VALUE,{env} or add "
+            f"'{key}:' to {user_sites_dir()}/{name}.yaml (with 'extends: {name}')")
+
+
+def _validate_qos(site: dict, hours: float) -> None:
+    name, table = site.get("name"), _mapping(site.get("qos_table"), f"site '{site.get('name')}': qos_table")
+    qos = site.get("qos")
+    if not table:
+        return
+    if qos not in table:
+        raise SiteError(f"--qos {qos}: site '{name}' has no such QOS{did_you_mean(qos, table)}; use one of {one_of(table)}")
+    limit = _number(_mapping(table[qos], f"qos_table.{qos}").get("max_hours"), f"site '{name}': qos_table.{qos}.max_hours", 0)
+    if limit is not None and hours > limit + 1e-9:
+        better = sorted((q for q, v in table.items() if (v or {}).get("max_hours", 0) >= hours), key=str)
+        fix = f"; use --qos {better[0]}" if better else f"; use --hours {limit:g} or less"
+        raise SiteError(f"site '{name}': qos '{qos}' allows at most {limit:g} h, asked {hours:g} h{fix}")
+
+
+def resolve(spec_path: str | None, site_name: str | None, sets: list[str] | None = None,
+            flags: dict | None = None) -> dict:
+    """Spec file + --set + flags + site -> {'spec': ..., 'site': ...}, validated."""
+    spec: dict = {}
+    if spec_path is not None:
+        spec = load_yaml(Path(spec_path), "spec file")
+        _validate_spec_shape(spec)
+    spec = deep_merge(spec, parse_set(sets or []))
+    spec = deep_merge(spec, _flags_to_spec(flags or {}))
+    _validate_spec_shape(spec)
+    spec = deep_merge(SPEC_DEFAULTS, spec)
+    site = load_site(site_name or spec["site"].get("name") or "local")
+    site = deep_merge(site, {k: v for k, v in spec.pop("site").items() if k != "name"})
+    return _finish(spec, site)
+
+
+def _flags_to_spec(flags: dict) -> dict:
+    out: dict = {}
+    place = {"hours": ("budget", "hours"), "hours_min": ("budget", "hours_min"),
+             "total_hours": ("budget", "total_hours"), "max_segments": ("budget", "max_segments"),
+             "nodes": ("resources", "nodes"), "qos": ("site", "qos"), "account": ("site", "account")}
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in place:
+            section, name = place[key]
+            out.setdefault(section, {})[name] = value
+        elif key in ("trainer", "name"):
+            out[key] = value
+    return out
+
+
+def _finish(spec: dict, site: dict) -> dict:
+    from .trainers import get_trainer
+
+    trainer = get_trainer(spec.get("trainer"))
+    spec["name"] = validate_name(spec.get("name") or trainer.name, "name")
+    spec["budget"] = _validate_budget(_mapping(spec["budget"], "budget"), site)
+    spec["resources"] = _validate_resources(_mapping(spec["resources"], "resources"), site)
+    spec["env"] = validate_env(spec.get("env"), "env")
+    spec["requirements"] = _str_list(spec.get("requirements"), "requirements")
+    spec["scheduler_flags"] = validate_scheduler_flags(spec.get("scheduler_flags"), "scheduler_flags")
+    spec["args"] = trainer.validate_args(_mapping(spec.get("args"), "args"))
+    site = _validate_site(site, spec["budget"]["hours"])
+    return {"spec": spec, "site": site}

@@ -1,0 +1,110 @@
+"""The smoke trainer: no ML stack, obeys the walltime protocol exactly.
+
+It counts steps with a configurable step time, checkpoints atomically every `save_every` steps
+and whenever it stops, honours SIGUSR1, SIGTERM and the deadline, and writes one metrics line
+per step. Run it on a debug QOS to test the whole submission chain before a full-scale run; the
+lifecycle tests use it too. `crash_at_step` makes it fail on purpose (crash-loop tests).
+
+Run by the segment script as `python -m hpcrl.trainers.smoke --config RUN_DIR/smoke.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+from .. import protocol
+from .base import Trainer, TrainerContext
+
+
+class SmokeTrainer(Trainer):
+    name = "smoke"
+    defaults = {
+        "steps": 60,            # total steps of the whole run (across segments)
+        "step_time_s": 0.5,     # seconds one step takes
+        "save_every": 10,       # periodic checkpoint interval in steps (what a hard kill can lose)
+        "keep_last": 3,         # checkpoints kept
+        "crash_at_step": None,  # exit 1 (without saving) when reaching this step: crash-loop tests
+    }
+
+    def validate_args(self, args: dict) -> dict:
+        from ..spec import _number
+
+        merged = super().validate_args(args)
+        merged["steps"] = _number(merged["steps"], "args.steps", 1, integer=True, allow_none=False)
+        merged["step_time_s"] = _number(merged["step_time_s"], "args.step_time_s", 0, allow_none=False)
+        merged["save_every"] = _number(merged["save_every"], "args.save_every", 1, integer=True, allow_none=False)
+        merged["keep_last"] = _number(merged["keep_last"], "args.keep_last", 1, integer=True, allow_none=False)
+        merged["crash_at_step"] = _number(merged["crash_at_step"], "args.crash_at_step", 1, integer=True)
+        return merged
+
+    def files(self, ctx: TrainerContext) -> dict[str, str]:
+        return {"smoke.json": json.dumps(ctx.args, indent=1, sort_keys=True) + "\n"}
+
+    def command(self, ctx: TrainerContext) -> list[str]:
+        return [ctx.python, "-m", "hpcrl.trainers.smoke", "--config", str(ctx.run_dir / "smoke.json")]
+
+
+def _digest(prev: str, step: int) -> str:
+    # A running hash over all steps: a resumed run that skipped or repeated a step ends with a
+    # different value than one that ran straight through.
+    return hashlib.sha256(f"{prev}:{step}".encode()).hexdigest()[:16]
+
+
+def _save(ctx: protocol.Context, step: int, digest: str, keep_last: int) -> None:
+    tmp = protocol.new_checkpoint_dir(ctx.ckpt_dir)
+    (tmp / "state.json").write_text(json.dumps({"step": step, "digest": digest}), encoding="utf-8")
+    protocol.publish_checkpoint(ctx.ckpt_dir, tmp, step, keep_last=keep_last)
+    print(f"smoke: checkpoint step {step}", flush=True)
+
+
+def _restore(ctx: protocol.Context) -> tuple[int, str]:
+    found = protocol.find_latest_checkpoint(ctx.ckpt_dir)
+    if found is None:
+        return 0, "start"
+    state = json.loads((found[1] / "state.json").read_text(encoding="utf-8"))
+    return int(state["step"]), str(state["digest"])
+
+
+def train(cfg: dict, ctx: protocol.Context) -> int:
+    stop = protocol.StopFlag(ctx, margin_s=1.0)
+    step, digest = _restore(ctx)
+    saved = step
+    print(f"smoke: segment {ctx.segment} starts at step {step} of {cfg['steps']}", flush=True)
+    while step < cfg["steps"]:
+        if stop.should_stop(next_step_s=cfg["step_time_s"], save_s=0.5):
+            if saved != step:
+                _save(ctx, step, digest, cfg["keep_last"])
+            print(f"smoke: stopping for continuation at step {step} ({stop.reason or 'deadline'})", flush=True)
+            return protocol.EXIT_CONTINUE
+        time.sleep(cfg["step_time_s"])
+        step += 1
+        digest = _digest(digest, step)
+        protocol.append_metrics(ctx.metrics_path, {"step": step, "segment": ctx.segment, "loss": round(1.0 / step, 6),
+                                                   "time": round(time.time(), 3)})
+        if cfg.get("crash_at_step") == step:
+            print(f"smoke: simulated crash at step {step}", file=sys.stderr, flush=True)
+            return 1
+        if step % cfg["save_every"] == 0:
+            _save(ctx, step, digest, cfg["keep_last"])
+            saved = step
+    if saved != step:
+        _save(ctx, step, digest, cfg["keep_last"])
+    print(f"smoke: done at step {step}, digest {digest}", flush=True)
+    return protocol.EXIT_COMPLETE
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.trainers.smoke")
+    parser.add_argument("--config", required=True)
+    ns = parser.parse_args(argv)
+    with open(ns.config, encoding="utf-8") as f:
+        cfg = {**SmokeTrainer.defaults, **json.load(f)}
+    return train(cfg, protocol.Context.from_env())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
