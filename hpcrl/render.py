@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,9 @@ def expand_path(template: str, site: dict, what: str) -> str:
     env = dict(os.environ)
     env.setdefault("HPCRL_HOME", str(hpcrl_home()))
     expanded = os.path.expanduser(_expandvars(value, env))
-    if "$" in expanded:
-        var = expanded[expanded.index("$"):].split("/")[0]
+    unset = re.search(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", expanded)
+    if unset:
+        var = "$" + unset.group(1)
         raise SiteError(f"site '{site.get('name')}': {what} '{template}' uses {var}, which is not set here; "
                         f"set it or pass --set site.{what}=DIR")
     return expanded

@@ -1,0 +1,77 @@
+#!/bin/bash
+#SBATCH --account=m1234_g
+#SBATCH --constraint=gpu
+#SBATCH --cpus-per-task=128
+#SBATCH --dependency=singleton
+#SBATCH --gpus-per-node=4
+#SBATCH --job-name=smoke-pm
+#SBATCH --nodes=1
+#SBATCH --open-mode=append
+#SBATCH --output=/pscratch/sd/u/user/hpcrl/runs/smoke-pm/logs/job-%j.log
+#SBATCH --qos=regular
+#SBATCH --signal=B:USR1@300
+#SBATCH --time=240
+# hpcrl segment script for run smoke-pm on site perlmutter.
+# Rendered by hpcrl 0.1.0; every segment of the run executes this same file.
+# What it does: record the segment's start and queue its successor (hpcrl _segment begin),
+# set up the environment, run the trainer in the background under the walltime protocol,
+# forward USR1/TERM to it, wait until it really exits, then record the outcome (_segment end).
+set -uo pipefail
+
+export HPCRL_RUN_ID=smoke-pm
+export HPCRL_RUN_DIR=/pscratch/sd/u/user/hpcrl/runs/smoke-pm
+export HPCRL_CKPT_DIR=/pscratch/sd/u/user/hpcrl/runs/smoke-pm/checkpoints
+export HPCRL_METRICS=/pscratch/sd/u/user/hpcrl/runs/smoke-pm/metrics.jsonl
+hpcrl_py=/opt/hpcrl/bin/python
+export PYTHONPATH=/pscratch/sd/u/user/hpcrl/runs/smoke-pm/lib${PYTHONPATH:+:$PYTHONPATH}
+export HPCRL_JOB_ID="$SLURM_JOB_ID"
+
+# Which segment this is, its deadline from the job's real end time, and the queued successor.
+# Exit status 3 means there is nothing to do (run complete, cancelled or out of budget).
+begin_out=$("$hpcrl_py" -m hpcrl.cli _segment begin "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID")
+begin_rc=$?
+if [ "$begin_rc" -eq 3 ]; then
+  echo "hpcrl: nothing left to do for run $HPCRL_RUN_ID; exiting"
+  exit 0
+elif [ "$begin_rc" -ne 0 ]; then
+  echo "hpcrl: segment start failed (exit $begin_rc); not starting the trainer" >&2
+  exit "$begin_rc"
+fi
+read -r HPCRL_SEGMENT HPCRL_DEADLINE <<<"$begin_out"
+export HPCRL_SEGMENT HPCRL_DEADLINE
+echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hostname) deadline $(date -d "@${HPCRL_DEADLINE%.*}" '+%F %T')"
+
+
+# Modules (site profile)
+module load python
+
+
+# Environment (spec and site; secrets are never written here: they come from the submitting
+# shell's environment)
+export OMP_NUM_THREADS=8
+
+trainer_py="$hpcrl_py"
+
+
+
+cd "$HPCRL_RUN_DIR"
+
+
+# The trainer runs in the background so that the traps below run while it works.
+trainer_pid=""
+forward() {
+  [ -n "$trainer_pid" ] && kill -s "$1" "$trainer_pid" 2>/dev/null
+}
+trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
+trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
+"$trainer_py" -m hpcrl.trainers.smoke --config /pscratch/sd/u/user/hpcrl/runs/smoke-pm/smoke.json &
+trainer_pid=$!
+# `wait` returns early when a trap fires; wait again until the trainer has really exited.
+while :; do
+  wait "$trainer_pid"
+  rc=$?
+  kill -0 "$trainer_pid" 2>/dev/null || break
+done
+echo "hpcrl: trainer exited with code $rc"
+"$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc "$rc"
+exit "$rc"

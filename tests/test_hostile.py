@@ -1,0 +1,53 @@
+"""Every user string that reaches the shell, fed hostile values: rendered and executed for real
+on the local backend; nothing injected runs, and the job sees the values verbatim."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import HOSTILE, hpcrl, wait_for
+
+
+def test_hostile_values_rendered_and_executed_run_nothing(home, tmp_path, monkeypatch):
+    # A hostile directory name in the run's path (the outputs dir), an env value, a site module
+    # name, and a scheduler flag value.
+    outputs = tmp_path / "out dir $(touch x) `y` 'q'"
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "evil.yaml").write_text(
+        "extends: local\nsignal_lead_s: 2\nexit_margin_s: 1\nkill_grace_s: 2\n"
+        f"outputs: {json.dumps(str(outputs))}\n"
+        # a trusted site line (not user data) that records what the job really received
+        "setup: ['printf %s \"$HOSTILE\" > \"$HPCRL_RUN_DIR/hostile.out\"']\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(json.dumps({"trainer": "smoke", "args": {"steps": 3, "step_time_s": 0.05},
+                                "env": {"HOSTILE": HOSTILE}}))
+    text = hpcrl("render", str(spec), "--site", "evil", "--name", "h1").stdout
+    assert HOSTILE not in text  # only its quoted form is in the script
+    hpcrl("submit", str(spec), "--site", "evil", "--name", "h1", "--hours", "0.01")
+    state = wait_for("h1")
+    assert state["state"] == "COMPLETED", state
+    run_dir = outputs / "h1"
+    assert (run_dir / "hostile.out").read_text() == HOSTILE
+    assert not (run_dir / "x").exists() and not (Path.cwd() / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["a'; touch /tmp/PWNED-hpcrl #", "$(id)", "`id`", "a\nb", "../up", "-rf", ""])
+def test_hostile_run_names_are_rejected(home, name):
+    r = hpcrl("submit", "--trainer", "smoke", f"--name={name}", check=False)
+    assert r.returncode == 2 and "run name" in r.stderr and "Traceback" not in r.stderr
+    assert not (home / "registry").exists() or not list((home / "registry").iterdir())
+
+
+def test_hostile_scheduler_flag_and_module_values_are_quoted(home, tmp_path):
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "pm.yaml").write_text(f"extends: perlmutter\naccount: m1_g\nmodules: [{json.dumps(HOSTILE.replace(chr(10), ' '))}]\n")
+    r = hpcrl("render", "--site", "pm", "--trainer", "smoke", "--name", "q",
+              "--set", "scheduler_flags.mail-user=$(touch /tmp/PWNED-hpcrl)", env={"SCRATCH": str(tmp_path)})
+    assert "#SBATCH --mail-user='$(touch /tmp/PWNED-hpcrl)'" in r.stdout
+    assert "module load 'a'\"'\"'; touch" in r.stdout
+    spec = tmp_path / "s.yaml"
+    spec.write_text(json.dumps({"trainer": "smoke", "scheduler_flags": {"mail-user": "a\nb"}}))
+    bad = hpcrl("render", str(spec), "--site", "pm", "--name", "q", check=False, env={"SCRATCH": str(tmp_path)})
+    assert bad.returncode == 2 and "single-line" in bad.stderr

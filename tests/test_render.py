@@ -1,0 +1,96 @@
+"""Rendering: golden scripts (HPCRL_UPDATE_GOLDENS=1 rewrites them), bash -n, the QOS table."""
+
+import difflib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import hpcrl
+
+GOLDEN = Path(__file__).parent / "golden"
+# Fixed paths so that the goldens do not depend on the machine or the test's tmp dir.
+FIXED = {"HPCRL_HOME": "/home/user/.local/share/hpcrl", "SCRATCH": "/pscratch/sd/u/user",
+         "HPCRL_SITES_DIR": "/nonexistent/sites"}
+PY = "--set=site.hpcrl_python=/opt/hpcrl/bin/python"
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("HPCRL_UPDATE_GOLDENS") == "1" or not path.exists():
+        path.write_text(text)
+        if os.environ.get("HPCRL_UPDATE_GOLDENS") != "1":
+            pytest.fail(f"golden {name} did not exist; wrote it — review and commit it")
+    want = path.read_text()
+    if text != want:
+        diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True), "golden", "rendered"))
+        pytest.fail(f"{name} differs from its golden; if intended, rerun with HPCRL_UPDATE_GOLDENS=1\n{diff}")
+
+
+def bash_n(text: str) -> None:
+    proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def render(*args) -> str:
+    return hpcrl("render", *args, PY, env=FIXED).stdout
+
+
+def test_perlmutter_regular_4h_golden():
+    text = render("--site", "perlmutter", "--account", "m1234_g", "--hours", "4", "--total-hours", "10",
+                  "--trainer", "smoke", "--name", "smoke-pm")
+    bash_n(text)
+    for line in ("#SBATCH --account=m1234_g", "#SBATCH --qos=regular", "#SBATCH --constraint=gpu",
+                 "#SBATCH --time=240", "#SBATCH --signal=B:USR1@300", "#SBATCH --open-mode=append",
+                 "#SBATCH --job-name=smoke-pm", "#SBATCH --gpus-per-node=4", "#SBATCH --dependency=singleton",
+                 "module load python"):
+        assert line in text
+    sbatch = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+    assert sbatch == sorted(sbatch)
+    check_golden("perlmutter-smoke-4h.sh", text)
+
+
+def test_local_golden():
+    text = render("--site", "local", "--trainer", "smoke", "--hours", "0.05", "--name", "smoke-local")
+    bash_n(text)
+    assert "#HPCRL-LOCAL walltime_s=180" in text
+    check_golden("local-smoke.sh", text)
+
+
+def test_hours_min_maps_to_time_min_and_venv_is_hashed():
+    text = render("--site", "perlmutter", "--account", "m1234_g", "--hours", "4", "--hours-min", "2",
+                  "--trainer", "smoke", "--name", "v", "--set", "requirements=[numpy==2.1.0]")
+    assert "#SBATCH --time-min=120" in text
+    assert "venv=/global/common/software/m1234/hpcrl/venvs/" in text
+    assert 'flock 9' in text
+    other = render("--site", "perlmutter", "--account", "m1234_g", "--trainer", "smoke", "--name", "v",
+                   "--set", "requirements=[numpy==2.2.0]")
+    venv = [ln for ln in text.splitlines() if ln.startswith("venv=")][0]
+    assert venv not in other, "a different requirement set gets a different venv"
+
+
+def test_scheduler_flags_pass_through_quoted():
+    text = render("--site", "perlmutter", "--account", "m1234_g", "--trainer", "smoke", "--name", "f",
+                  "--set", "scheduler_flags.mail-type=END", "--set", "scheduler_flags.mail-user=a b@x.org")
+    assert "#SBATCH --mail-type=END" in text
+    assert "#SBATCH --mail-user='a b@x.org'" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--site", "perlmutter", "--account", "m1_g", "--qos", "debug", "--hours", "4"],
+     "qos 'debug' allows at most 0.5 h, asked 4 h; use --qos "),
+    (["--site", "perlmutter", "--account", "m1_g", "--qos", "reguler"], "did you mean 'regular'"),
+    (["--site", "perlmuter"], "did you mean 'perlmutter'"),
+    (["--site", "perlmutter"], "needs a value for 'account'"),
+])
+def test_site_errors_are_one_line(args, message):
+    r = hpcrl("render", "--trainer", "smoke", *args, check=False, env=FIXED)
+    assert r.returncode == 2 and r.stdout == ""
+    assert message in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_account_from_env_var():
+    text = hpcrl("render", "--site", "perlmutter", "--trainer", "smoke", "--name", "a", PY,
+                 env={**FIXED, "HPCRL_ACCOUNT": "m999_g"}).stdout
+    assert "#SBATCH --account=m999_g" in text
