@@ -14,9 +14,12 @@ def _data_dir(top_level: str, package: str) -> Path:
     beside = _PKG.parent / top_level
     if beside.is_dir():
         return beside
-    import importlib.resources
+    import importlib.util
 
-    return Path(str(importlib.resources.files(package)))
+    # A data package without __init__.py is a namespace package: ask for its directory.
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else beside
 
 
 def templates_dir() -> Path:
