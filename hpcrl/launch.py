@@ -121,9 +121,12 @@ def _queue_segment(run: Run, state: dict, after: str | None) -> dict:
 # ---------------------------------------------------------------- inside the job
 
 
+def _trainer(run: Run, spec: dict | None = None):
+    return get_trainer((spec or run.spec())["spec"]["trainer"])
+
+
 def _ckpt_step(run: Run, spec: dict | None = None) -> int | None:
-    spec = spec or run.spec()
-    return get_trainer(spec["spec"]["trainer"]).checkpoint_step(run.dir, run.dir / "checkpoints")
+    return _trainer(run, spec).checkpoint_step(run.dir, run.dir / "checkpoints")
 
 
 def _close_lost_segments(run: Run, state: dict, except_job: str, step: int | None) -> None:
@@ -215,8 +218,11 @@ def segment_end(run_dir: str, job_id: str, rc: int) -> None:
             runs.add_event(state, f"segment {seg['k']} completed the training")
             _finish_run(run, state, "training complete")
             return
-        seg["state"] = runs.SEG_CONTINUE if rc == protocol.EXIT_CONTINUE else runs.SEG_FAILED
         _count_progress(state, seg)
+        # A trainer that knows no protocol (MaxText) is killed at the walltime: a segment that
+        # advanced its checkpoint is a continuation, whatever its exit code.
+        ok = rc == protocol.EXIT_CONTINUE or (not _trainer(run).obeys_protocol and state["no_progress"] == 0)
+        seg["state"] = runs.SEG_CONTINUE if ok else runs.SEG_FAILED
         runs.add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}")
         reason = None if state["state"] in runs.ACTIVE_STATES else state["state"].lower()
         reason = reason or _stop_reason(state)

@@ -21,9 +21,15 @@ from .trainers import get_trainer
 from .trainers.base import TrainerContext
 
 
+# The job's trainer interpreter, chosen at run time (venv or hpcrl's own): adapters put it in
+# argv as ctx.python; it is the one value `q` leaves as a shell variable.
+TRAINER_PY = '"$trainer_py"'
+
+
 def q(value) -> str:
     """Quote one value for bash. The only quoting function that user strings go through."""
-    return shlex.quote(str(value))
+    value = str(value)
+    return value if value == TRAINER_PY else shlex.quote(value)
 
 
 @dataclass
@@ -165,7 +171,7 @@ def render_script(resolved: dict, paths: RunPaths) -> str:
     ctx = trainer_context(resolved, paths)
     reqs = requirements(resolved)
     venv = venv_path(site, reqs)
-    ctx.python = '"$trainer_py"'
+    ctx.python = TRAINER_PY
     env = _environment(resolved) + sorted(trainer.env(ctx).items())
     jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, trim_blocks=False, autoescape=False)
@@ -181,5 +187,4 @@ def render_script(resolved: dict, paths: RunPaths) -> str:
 
 
 def command_line(argv: list[str]) -> str:
-    """Quote argv; the placeholder "$trainer_py" (the job's interpreter) stays a variable."""
-    return " ".join(a if a == '"$trainer_py"' else q(a) for a in argv)
+    return " ".join(q(a) for a in argv)

@@ -1,0 +1,178 @@
+"""MaxText RL adapter (the seed tutorial: GRPO / GSPO on a single-host TPU VM).
+
+Renders `python3 -m maxtext.trainers.post_train.rl.train_rl key=value ...` for the pinned
+MaxText (MAXTEXT_VERSION). With no config path in argv, MaxText picks post_train/rl.yml for this
+module (maxtext/configs/pyconfig.py _CONFIG_FILE_MAPPING) and routes flat keys such as
+loss_algo into the nested `rl:` group (types.py RLConfig.map_flat_fields_to_nested_models).
+
+Resume: rerunning the identical command with the same run_name and base_output_directory
+restores the newest <base_output_directory>/<run_name>/checkpoints/<step>/ (params, optimizer,
+step) and fast-forwards the data iterator. The RL path handles no signal, so a walltime kill
+loses the steps since the last save: checkpoint_period bounds that (args.checkpoint_period, or
+sized from args.step_time_s and args.save_every_s).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import SpecError, did_you_mean, one_of
+from .base import Trainer, TrainerContext
+
+MAXTEXT_VERSION = "0.2.5"
+MODULE = "maxtext.trainers.post_train.rl.train_rl"
+LOSS_ALGO = {"grpo": "grpo", "gspo": "gspo-token"}
+# Keys hpcrl renders itself: a user override would break resume or placement.
+OWNED_KEYS = ("run_name", "base_output_directory", "chips_per_vm", "load_parameters_path",
+              "enable_checkpointing", "checkpoint_period", "loss_algo", "hf_access_token")
+_KEY = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
+
+
+class MaxTextTrainer(Trainer):
+    name = "maxtext"
+    obeys_protocol = False  # exits 0 when done; a walltime kill is a continuation if a checkpoint advanced
+    defaults = {
+        "algorithm": "grpo",               # grpo | gspo (loss_algo=gspo-token)
+        "model_name": "llama3.1-8b-Instruct",  # MaxText model name (configs/models/<name>.yml, -Instruct stripped)
+        "load_parameters_path": None,      # MaxText checkpoint .../0/items (tutorial option 1 or 2)
+        "tokenizer_path": None,            # None: MaxText's HF id for model_name
+        "base_output_directory": None,     # None: <run dir>/maxtext; on TPU use gs://BUCKET/...
+        "run_name": None,                  # None: the run id (must stay the same across segments)
+        "num_batches": None,               # None: rl.yml's (4, a smoke run); 3738 = one GSM8K epoch
+        "batch_size": None,
+        "num_generations": None,
+        "learning_rate": None,
+        "num_epoch": None,
+        "checkpoint_period": None,         # steps between saves; None: sized, else rl.yml's 50
+        "step_time_s": None,               # measured seconds per step, to size checkpoint_period
+        "save_every_s": 1800,              # target seconds between saves when step_time_s is known
+        "max_num_checkpoints_to_keep": 3,
+        "overrides": [],                   # extra key=value for rl.yml / base.yml keys
+    }
+    required = ("load_parameters_path",)
+
+    def validate_args(self, args: dict) -> dict:
+        merged = super().validate_args(args)
+        if merged["algorithm"] not in LOSS_ALGO:
+            raise SpecError(f"args.algorithm: '{merged['algorithm']}' is not one of {one_of(LOSS_ALGO)}")
+        for key in ("checkpoint_period", "num_batches", "batch_size", "num_generations", "num_epoch"):
+            value = merged[key]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise SpecError(f"args.{key}: expected a positive integer, got {value!r}")
+        merged["overrides"] = check_user_overrides(merged["overrides"], installed_config_keys())
+        return merged
+
+    def requirements(self, args: dict, site: dict) -> list[str]:
+        # tpu-post-train brings tunix and vLLM-TPU; MaxText needs Python >= 3.12 on the VM
+        return [f"maxtext[tpu-post-train]=={MAXTEXT_VERSION}"]
+
+    def output_dir(self, ctx: TrainerContext) -> str:
+        return ctx.args["base_output_directory"] or str(Path(ctx.run_dir) / "maxtext")
+
+    def keys(self, ctx: TrainerContext) -> dict:
+        """The key=value pairs of the command line, in order."""
+        a = ctx.args
+        if int((ctx.resources or {}).get("nodes") or 1) != 1:
+            raise SpecError("resources.nodes: the maxtext trainer runs on one TPU VM (single host); set nodes: 1")
+        chips = ctx.site.get("chips_per_vm")
+        if not chips:
+            raise SpecError("site: chips_per_vm is not set (v5p: 4, v6e: 8, v5e: 8); add it to the site profile")
+        out = {"model_name": a["model_name"], "load_parameters_path": a["load_parameters_path"],
+               "run_name": a["run_name"] or ctx.run_id, "base_output_directory": self.output_dir(ctx),
+               "chips_per_vm": chips, "loss_algo": LOSS_ALGO[a["algorithm"]],
+               "enable_checkpointing": "true", "checkpoint_period": checkpoint_period(a),
+               "max_num_checkpoints_to_keep": a["max_num_checkpoints_to_keep"]}
+        for key in ("tokenizer_path", "num_batches", "batch_size", "num_generations", "learning_rate", "num_epoch"):
+            if a[key] is not None:
+                out[key] = a[key]
+        return out
+
+    def command(self, ctx: TrainerContext) -> list[str]:
+        pairs = [f"{k}={v}" for k, v in self.keys(ctx).items()]
+        return [ctx.python, "-m", MODULE, *pairs, *ctx.args["overrides"]]
+
+    def env(self, ctx: TrainerContext) -> dict[str, str]:
+        return {"PYTHONUNBUFFERED": "1"}  # HF_TOKEN comes from the user's env, never the spec
+
+    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path) -> int | None:
+        # MaxText writes under base_output_directory/run_name, not the run's checkpoints/ dir:
+        # find that place from the run's frozen spec.
+        try:
+            resolved = json.loads((Path(run_dir) / "spec.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return maxtext_checkpoint_step(ckpt_dir)
+        ctx = TrainerContext(run_id=Path(run_dir).name, run_dir=Path(run_dir), ckpt_dir=Path(ckpt_dir),
+                             args=resolved["spec"]["args"], site=resolved["site"], resources=resolved["spec"]["resources"])
+        return maxtext_checkpoint_step(self.checkpoint_root(ctx))
+
+    def checkpoint_root(self, ctx: TrainerContext) -> str:
+        """Where MaxText writes its step directories (types.py: base/run_name/checkpoints/)."""
+        return f"{self.output_dir(ctx).rstrip('/')}/{ctx.args['run_name'] or ctx.run_id}/checkpoints"
+
+
+def checkpoint_period(a: dict) -> int:
+    if a["checkpoint_period"] is not None:
+        return a["checkpoint_period"]
+    if a["step_time_s"]:
+        return max(1, int(float(a["save_every_s"]) // float(a["step_time_s"])))
+    return 50  # rl.yml's default
+
+
+def maxtext_checkpoint_step(ckpt_dir) -> int | None:
+    """Newest <step>/ directory. Orbax writes <step>.orbax-checkpoint-tmp-*/ and renames it when
+    complete, so an all-digit name is a finished save. gs:// paths cannot be listed here: None."""
+    if str(ckpt_dir).startswith("gs://"):
+        return None
+    try:
+        steps = [int(p.name) for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name.isdigit()]
+    except OSError:
+        return None
+    return max(steps) if steps else None
+
+
+def config_keys(*yaml_texts: str) -> set[str]:
+    """Settable keys of MaxText's RL config: top-level keys of the YAMLs plus the `rl:` group's
+    (flat CLI keys are routed into nested groups)."""
+    import yaml
+
+    keys: set[str] = set()
+    for text in yaml_texts:
+        data = yaml.safe_load(text) or {}
+        keys |= set(data)
+        for group in ("rl",):
+            if isinstance(data.get(group), dict):
+                keys |= set(data[group])
+    return keys
+
+
+def installed_config_keys() -> set[str] | None:
+    """Keys of the installed MaxText's base.yml + post_train/rl.yml; None when it is not installed
+    (it needs Python >= 3.12, so a login node often lacks it: then overrides are checked on the VM)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("maxtext")
+    if spec is None or not spec.origin:
+        return None
+    configs = Path(spec.origin).parent / "configs"
+    try:
+        return config_keys(*(p.read_text(encoding="utf-8") for p in (configs / "base.yml", configs / "post_train" / "rl.yml")))
+    except OSError:
+        return None
+
+
+def check_user_overrides(overrides, known: set[str] | None) -> list[str]:
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise SpecError(f"args.overrides: expected a list of 'key=value' strings, got {overrides!r}")
+    for ov in overrides:
+        m = _KEY.match(ov)
+        if not m:
+            raise SpecError(f"args.overrides: '{ov}' is not key=value, e.g. eval_interval=20")
+        key = m.group(1)
+        if key in OWNED_KEYS:
+            raise SpecError(f"args.overrides: '{key}' is set by hpcrl; use the matching args key or leave it out")
+        if known is not None and key not in known:
+            raise SpecError(f"args.overrides: '{key}' is not a key of MaxText {MAXTEXT_VERSION}'s RL config"
+                            f"{did_you_mean(key, known)}; see maxtext/configs/post_train/rl.yml")
+    return list(overrides)

@@ -1,0 +1,414 @@
+"""verl adapter (TinyZero's stack): Hydra overrides for `verl.trainer.main_ppo`, Ray on Slurm, resume.
+
+What runs in the job (see verl_launch.py, copied into the run directory as verl/launch.py):
+
+    python RUN/verl/launch.py --python PY --ckpt-dir CKPT ... -- <static Hydra overrides>
+
+The static overrides are everything known at submit time and are what `hpcrl render` shows.
+The launcher adds the per-segment ones (val_before_train, logger, save_freq, the deadline) and
+supervises verl. Every override below was checked against verl VERL_VERSION's own `ppo_trainer`
+config (tests/test_verl.py composes it); a user's `args.overrides` are composed the same way at
+validation time when hydra and verl are importable, so a misspelt key fails `hpcrl submit`, not
+the job.
+
+Pre-walltime saving (verl handles no signal):
+  save_mode: deadline (default) -- verl's legacy trainer (trainer.use_v1=False) saves when
+      MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP - now <= 60 s + slowest step +
+      trainer.esi_redundant_time (verl/utils/checkpoint/checkpoint_manager.py
+      should_save_ckpt_esi, called in verl/trainer/ppo/ray_trainer.py fit()); the launcher feeds
+      it HPCRL_DEADLINE and sets esi_redundant_time to args.save_time_s.
+  save_mode: periodic -- the default v1 trainer, which has no time-based save: save_freq only,
+      re-sized each segment from the measured step time (args.save_every_s).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import SpecError, one_of
+from .base import Trainer, TrainerContext
+
+VERL_VERSION = "0.9.1"
+HYDRA_PINS = ("hydra-core==1.3.2", "omegaconf==2.3.0", "antlr4-python3-runtime==4.9.3")
+# verl[vllm]==0.9.1's own pins, repeated so pip cannot settle on another torch (read from its metadata)
+_ROLLOUT_PINS = {
+    "vllm": ["torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0", "vllm==0.24.0", "transformers==5.9.0"],
+    "sglang": ["torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0", "sglang==0.5.12", "transformers==5.9.0"],
+}
+TRACKER = "latest_checkpointed_iteration.txt"
+LAUNCH_FILE = "verl/launch.py"
+REWARD_FILE = "verl/rewards.py"
+
+# algorithm -> overrides that define it (GSPO as in verl's examples/gspo_trainer; PPO as TinyZero)
+ALGORITHMS = {
+    "ppo": {"algorithm.adv_estimator": "gae"},
+    "grpo": {
+        "algorithm.adv_estimator": "grpo",
+        "actor_rollout_ref.actor.use_kl_loss": "True",
+        "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
+    },
+    "gspo": {
+        "algorithm.adv_estimator": "grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo",
+        "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean",
+        "actor_rollout_ref.actor.clip_ratio_low": "0.0003",
+        "actor_rollout_ref.actor.clip_ratio_high": "0.0004",
+        "actor_rollout_ref.actor.clip_ratio_c": "10.0",
+        "actor_rollout_ref.actor.use_kl_loss": "False",
+        "algorithm.use_kl_in_reward": "False",
+    },
+}
+# Keys hpcrl owns: a user override of these would break resume, placement or the walltime logic.
+OWNED_KEYS = (
+    "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.nnodes",
+    "trainer.n_gpus_per_node", "trainer.val_before_train", "trainer.logger", "trainer.use_v1",
+    "trainer.save_freq", "trainer.esi_redundant_time", "ray_kwargs.ray_init.num_cpus",
+)
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_./~:+@-]+$")
+_OVERRIDE = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][\w.@-]*)=(.*)$", re.S)
+
+
+def hydra_value(value) -> str:
+    """A value Hydra reads back as exactly this string: quoted unless plainly safe."""
+    text = str(value)
+    if _SAFE_VALUE.match(text):
+        return text
+    # Hydra's quoted strings: a backslash is literal unless it precedes a quote or ends the string
+    escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text)
+    return "'" + escaped.replace("'", "\\'") + "'"
+
+
+def _kv(key, value) -> str:
+    return f"{key}={hydra_value(value) if isinstance(value, (str, Path)) else _scalar(value)}"
+
+
+def _scalar(value) -> str:
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    return "null" if value is None else str(value)
+
+
+class VerlTrainer(Trainer):
+    name = "verl"
+    obeys_protocol = True  # through verl/launch.py: exit 0 complete, 85 continue
+    defaults = {
+        "algorithm": "grpo",            # ppo (GAE + critic, TinyZero) | grpo | gspo
+        "model": None,                  # HF model directory (staged on a login node) or hub id
+        "train_files": None,            # parquet (hpcrl's Countdown/GSM8K prep or verl's)
+        "val_files": None,
+        "reward": "hpcrl",              # hpcrl (hpcrl/rl/rewards.py) | verl (its built-ins) | /path/file.py:fn
+        "train_batch_size": 256,
+        "val_batch_size": None,         # None: the whole validation set in one batch (verl's default)
+        "max_prompt_length": 256,
+        "max_response_length": 1024,
+        "rollout_n": None,              # responses per prompt; None: 1 for ppo, 5 for grpo, 16 for gspo
+        "rollout": "vllm",              # vllm | sglang
+        "rollout_tp": 1,                # tensor parallel size of the rollout engine
+        "gpu_memory_utilization": 0.4,
+        "actor_lr": 1e-6,
+        "critic_lr": 1e-5,
+        "kl_coef": 0.001,               # ppo: in-reward KL; grpo: kl_loss_coef
+        "ppo_mini_batch_size": 64,
+        "micro_batch_size_per_gpu": 8,  # actor and critic update micro batch
+        "log_prob_micro_batch_size_per_gpu": 8,
+        "ref_log_prob_micro_batch_size_per_gpu": 4,
+        "total_epochs": 15,
+        "total_training_steps": None,
+        "test_freq": 100,
+        "project_name": "hpcrl",
+        "experiment_name": None,        # None: the run id
+        "logger": "auto",               # auto (wandb when WANDB_API_KEY is set) | console | wandb
+        "save_mode": "deadline",        # deadline (legacy trainer + ESI save) | periodic (v1 trainer)
+        "save_freq": 100,               # regular save interval in steps (first segment in periodic mode)
+        "save_every_s": 1800,           # periodic mode: target seconds between saves, from measured steps
+        "save_time_s": 300,             # what one save may take; start the deadline save this much earlier
+        "max_ckpt_to_keep": 2,
+        "ray_cluster": "auto",          # auto (nodes > 1) | always | never: start Ray via srun first
+        "ray_port": 6379,
+        "overrides": [],                # extra Hydra overrides, e.g. ["actor_rollout_ref.actor.entropy_coeff=0.001"]
+    }
+    required = ("model", "train_files", "val_files")
+    _CHOICES = {
+        "algorithm": ALGORITHMS, "rollout": _ROLLOUT_PINS, "logger": ("auto", "console", "wandb"),
+        "save_mode": ("deadline", "periodic"), "ray_cluster": ("auto", "always", "never"),
+    }
+
+    # ------------------------------------------------------------ validation
+
+    def validate_args(self, args: dict) -> dict:
+        merged = super().validate_args(args)
+        for key, allowed in self._CHOICES.items():
+            if merged[key] not in allowed:
+                raise SpecError(f"args.{key}: '{merged[key]}' is not one of {one_of(allowed)}")
+        for key in ("train_batch_size", "ppo_mini_batch_size", "save_freq", "rollout_tp", "total_epochs"):
+            if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1:
+                raise SpecError(f"args.{key}: expected a positive integer, got {merged[key]!r}")
+        if merged["ppo_mini_batch_size"] > merged["train_batch_size"]:
+            raise SpecError(f"args.ppo_mini_batch_size: {merged['ppo_mini_batch_size']} exceeds "
+                            f"train_batch_size {merged['train_batch_size']}; lower it or raise train_batch_size")
+        merged["overrides"] = check_user_overrides(merged["overrides"])
+        compose_check(self.overrides(_placeholder_ctx(merged)))
+        return merged
+
+    # ------------------------------------------------------------ the command line
+
+    def requirements(self, args: dict, site: dict) -> list[str]:
+        return [f"verl[{args.get('rollout', 'vllm')}]=={VERL_VERSION}", *_ROLLOUT_PINS[args.get("rollout", "vllm")]]
+
+    def files(self, ctx: TrainerContext) -> dict[str, str]:
+        here = Path(__file__).resolve().parent
+        out = {LAUNCH_FILE: (here / "verl_launch.py").read_text(encoding="utf-8")}
+        if ctx.args["reward"] == "hpcrl":
+            out[REWARD_FILE] = (here.parent / "rl" / "rewards.py").read_text(encoding="utf-8")
+        return out
+
+    def overrides(self, ctx: TrainerContext) -> list[str]:
+        """The static Hydra overrides (the launcher appends the per-segment ones)."""
+        a = ctx.args
+        pairs = {**self._data(a), **self._model(ctx), **self._algorithm(ctx), **self._trainer(ctx)}
+        return [_kv(k, v) for k, v in pairs.items()] + list(a["overrides"])
+
+    def command(self, ctx: TrainerContext) -> list[str]:
+        a = ctx.args
+        launch = [ctx.python, str(Path(ctx.run_dir) / LAUNCH_FILE), "--python", ctx.python,
+                  "--ckpt-dir", str(ctx.ckpt_dir), "--save-mode", a["save_mode"],
+                  "--save-freq", str(a["save_freq"]), "--save-every-s", str(a["save_every_s"]),
+                  "--save-time-s", str(a["save_time_s"]), "--logger", a["logger"],
+                  "--keep", str(a["max_ckpt_to_keep"])]
+        return [*launch, "--", *self.overrides(ctx)]
+
+    def env(self, ctx: TrainerContext) -> dict[str, str]:
+        # vLLM's workers must not try to reach the hub for a staged model; HF_HUB_OFFLINE is the
+        # user's call (spec env), so only make the log line-buffered for `hpcrl logs -f`.
+        return {"PYTHONUNBUFFERED": "1"}
+
+    def _data(self, a) -> dict:
+        out = {
+            "data.train_files": a["train_files"], "data.val_files": a["val_files"],
+            "data.train_batch_size": a["train_batch_size"], "data.max_prompt_length": a["max_prompt_length"],
+            "data.max_response_length": a["max_response_length"],
+        }
+        if a["val_batch_size"] is not None:
+            out["data.val_batch_size"] = a["val_batch_size"]
+        return out
+
+    def _model(self, ctx) -> dict:
+        a, gpus = ctx.args, _gpus_per_node(ctx)
+        arr = "actor_rollout_ref"
+        out = {
+            f"{arr}.model.path": a["model"], f"{arr}.actor.optim.lr": a["actor_lr"],
+            f"{arr}.actor.ppo_mini_batch_size": a["ppo_mini_batch_size"],
+            f"{arr}.actor.ppo_micro_batch_size_per_gpu": a["micro_batch_size_per_gpu"],
+            f"{arr}.rollout.name": a["rollout"], f"{arr}.rollout.n": _rollout_n(a),
+            f"{arr}.rollout.tensor_model_parallel_size": min(a["rollout_tp"], gpus),
+            f"{arr}.rollout.gpu_memory_utilization": a["gpu_memory_utilization"],
+            f"{arr}.rollout.log_prob_micro_batch_size_per_gpu": a["log_prob_micro_batch_size_per_gpu"],
+            f"{arr}.ref.log_prob_micro_batch_size_per_gpu": a["ref_log_prob_micro_batch_size_per_gpu"],
+        }
+        if a["algorithm"] == "ppo":  # the critic exists only for GAE
+            out.update({"critic.model.path": a["model"], "critic.optim.lr": a["critic_lr"],
+                        "critic.ppo_micro_batch_size_per_gpu": a["micro_batch_size_per_gpu"]})
+        return out
+
+    def _algorithm(self, ctx) -> dict:
+        a = ctx.args
+        out = dict(ALGORITHMS[a["algorithm"]])
+        if a["algorithm"] == "ppo":
+            out["algorithm.kl_ctrl.kl_coef"] = a["kl_coef"]
+        elif a["algorithm"] == "grpo":
+            out["actor_rollout_ref.actor.kl_loss_coef"] = a["kl_coef"]
+        if a["reward"] != "verl":
+            path, name = reward_target(a["reward"], Path(ctx.run_dir) / REWARD_FILE)
+            out["reward.custom_reward_function.path"] = path
+            out["reward.custom_reward_function.name"] = name
+        return out
+
+    def _trainer(self, ctx) -> dict:
+        a, res = ctx.args, ctx.resources or {}
+        out = {
+            "trainer.default_local_dir": str(ctx.ckpt_dir), "trainer.resume_mode": "auto",
+            "trainer.nnodes": int(res.get("nodes") or 1), "trainer.n_gpus_per_node": _gpus_per_node(ctx),
+            "trainer.total_epochs": a["total_epochs"], "trainer.test_freq": a["test_freq"],
+            "trainer.project_name": a["project_name"], "trainer.experiment_name": a["experiment_name"] or ctx.run_id,
+            "trainer.max_actor_ckpt_to_keep": a["max_ckpt_to_keep"],
+            "trainer.max_critic_ckpt_to_keep": a["max_ckpt_to_keep"],
+            "trainer.use_v1": a["save_mode"] == "periodic",
+            "trainer.esi_redundant_time": a["save_time_s"],
+        }
+        if a["total_training_steps"] is not None:
+            out["trainer.total_training_steps"] = a["total_training_steps"]
+        if not _uses_ray_cluster(ctx):  # verl starts Ray itself: give it the CPUs Slurm granted
+            out["ray_kwargs.ray_init.num_cpus"] = int(ctx.site.get("cpus_per_task") or res.get("cpus_per_task") or 0) or None
+        return out
+
+    # ------------------------------------------------------------ Ray on Slurm
+
+    def bootstrap(self, ctx: TrainerContext) -> str:
+        if not _uses_ray_cluster(ctx):
+            return ""
+        return ray_bootstrap(ctx.python, int((ctx.resources or {}).get("nodes") or 1),
+                             _gpus_per_node(ctx), ctx.args["ray_port"])
+
+    # ------------------------------------------------------------ progress
+
+    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path) -> int | None:
+        return verl_checkpoint_step(ckpt_dir)
+
+
+def verl_checkpoint_step(ckpt_dir) -> int | None:
+    """The step verl's tracker names, if that global_step_N directory exists (as verl checks)."""
+    try:
+        text = (Path(ckpt_dir) / TRACKER).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    if not re.fullmatch(r"\d+", text) or not (Path(ckpt_dir) / f"global_step_{text}").is_dir():
+        return None  # verl writes the tracker last; a torn or stale one names nothing usable
+    return int(text)
+
+
+def reward_target(reward: str, shipped: Path) -> tuple[str, str]:
+    """(file, function) for reward.custom_reward_function: 'hpcrl' is the copy of hpcrl/rl/rewards.py
+    in the run directory (verl loads it by path, so it must be, and is, stdlib-only)."""
+    if reward == "hpcrl":
+        return str(shipped), "compute_score"
+    path, sep, name = reward.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        path, name = reward, ""
+    if not path.endswith(".py"):
+        raise SpecError(f"args.reward: '{reward}' is not hpcrl, verl or /path/file.py[:function]")
+    return path, name or "compute_score"
+
+
+def _gpus_per_node(ctx) -> int:
+    return int((ctx.resources or {}).get("gpus_per_node") or ctx.site.get("gpus_per_node") or 1)
+
+
+def _rollout_n(a) -> int:
+    if a["rollout_n"] is not None:
+        return a["rollout_n"]
+    return {"ppo": 1, "grpo": 5, "gspo": 16}[a["algorithm"]]
+
+
+def _uses_ray_cluster(ctx) -> bool:
+    mode = ctx.args.get("ray_cluster", "auto")
+    return mode == "always" or (mode == "auto" and int((ctx.resources or {}).get("nodes") or 1) > 1)
+
+
+def _placeholder_ctx(args) -> TrainerContext:
+    return TrainerContext(run_id="validate", run_dir=Path("/hpcrl-validate/run"),
+                          ckpt_dir=Path("/hpcrl-validate/run/checkpoints"), args=args,
+                          site={"gpus_per_node": 4, "cpus_per_task": 32}, resources={"nodes": 1})
+
+
+def check_user_overrides(overrides) -> list[str]:
+    """args.overrides must be 'key=value' strings that leave hpcrl's own keys alone."""
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise SpecError(f"args.overrides: expected a list of 'key=value' strings, got {overrides!r}")
+    for ov in overrides:
+        m = _OVERRIDE.match(ov)
+        if not m:
+            raise SpecError(f"args.overrides: '{ov}' is not a Hydra override; write key=value, e.g. trainer.test_freq=50")
+        if m.group(2) in OWNED_KEYS:
+            raise SpecError(f"args.overrides: '{m.group(2)}' is set by hpcrl (resume, placement or walltime); "
+                            f"use the matching args key or leave it out")
+    return list(overrides)
+
+
+# ------------------------------------------------------------------ composing verl's own config
+
+
+def verl_config_dir() -> Path | None:
+    """verl's trainer/config directory if verl is installed here (found without importing verl,
+    whose __init__ imports ray and torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "trainer" / "config"
+    return path if (path / "ppo_trainer.yaml").is_file() else None
+
+
+def compose(overrides: list[str]):
+    """verl's ppo_trainer config composed with `overrides` (raises Hydra's own errors)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(verl_config_dir()), version_base=None):
+        return hydra_compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def compose_check(overrides: list[str]) -> bool:
+    """Compose when hydra and verl are importable; a bad override becomes one SpecError line.
+
+    Returns False (nothing checked) when they are not installed: the job would find the error.
+    """
+    try:
+        import hydra  # noqa: F401
+    except ImportError:
+        return False
+    if verl_config_dir() is None:
+        return False
+    try:
+        compose(overrides)
+        return True
+    except Exception as e:  # Hydra raises several types; every one means "this override is wrong"
+        culprit = _first_failing(overrides)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecError(f"args.overrides: '{culprit}' is rejected by verl {VERL_VERSION}'s ppo_trainer config "
+                        f"({first}); check the key's spelling, or prefix a new key with +") from None
+
+
+def _first_failing(overrides: list[str]) -> str:
+    for ov in overrides:
+        try:
+            compose([ov])
+        except Exception:
+            return ov
+    return " ".join(overrides)
+
+
+# ------------------------------------------------------------------ bootstrap script
+
+
+def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str:
+    """Bash that starts a Ray head on the batch node and a worker on each other node (via srun),
+    waits until all `nodes` have joined, and exports RAY_ADDRESS for the driver.
+
+    As verl's examples/tutorial/slurm/ray_on_slurm.slurm, except that the driver runs in the
+    batch shell itself: Slurm runs the batch script on the allocation's first node, which is the
+    head, so `srun --overlap -w head` adds nothing but a second quoting layer.
+    """
+    from ..render import q  # the one quoting path (lazy: render imports the trainer registry)
+
+    ray = f"{q(python)} -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = \"ray\"; main()'"
+    return f"""\
+# --- Ray cluster over the allocation (hpcrl verl adapter) ---
+hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
+hpcrl_head=${{hpcrl_nodes[0]}}
+hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" hostname --ip-address | awk '{{print $1}}')
+export RAY_ADDRESS="$hpcrl_head_ip:"{q(str(port))}
+hpcrl_ray_cpus=${{SLURM_CPUS_PER_TASK:-$(nproc)}}
+srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \\
+    {ray} start --head --node-ip-address="$hpcrl_head_ip" --port={q(str(port))} \\
+    --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --block &
+sleep 10
+for hpcrl_node in "${{hpcrl_nodes[@]:1}}"; do
+    srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \\
+        {ray} start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --block &
+done
+hpcrl_alive=0
+for hpcrl_try in $(seq 1 60); do
+    hpcrl_alive=$({q(python)} -c 'import ray; ray.init(address="auto", logging_level="ERROR"); print(sum(1 for n in ray.nodes() if n["Alive"]))' 2>/dev/null | tail -n 1)
+    [ "${{hpcrl_alive:-0}}" -ge {q(str(nodes))} ] 2>/dev/null && break
+    sleep 5
+done
+if [ "${{hpcrl_alive:-0}}" -lt {q(str(nodes))} ] 2>/dev/null; then
+    echo "hpcrl: only ${{hpcrl_alive:-0}} of "{q(str(nodes))}" Ray nodes joined within 5 minutes" >&2
+    exit 1
+fi
+echo "hpcrl: Ray cluster up: $hpcrl_alive node(s) at $RAY_ADDRESS" >&2
+"""

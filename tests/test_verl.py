@@ -1,0 +1,333 @@
+"""verl adapter: every rendered override is composed with verl's own ppo_trainer config.
+
+Needs `pip install --no-deps verl==0.9.1 hydra-core==1.3.2 omegaconf==2.3.0
+antlr4-python3-runtime==4.9.3` (the test extra); the composition tests skip without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpcrl.errors import SpecError
+from hpcrl.trainers import verl_launch
+from hpcrl.trainers.base import TrainerContext
+from hpcrl.trainers.verl import VERL_VERSION, VerlTrainer, compose, ray_bootstrap, verl_checkpoint_step, verl_config_dir
+
+RECIPES = Path(__file__).resolve().parents[1] / "hpcrl" / "recipes"
+VERL_RECIPES = ["tinyzero-countdown-ppo", "tinyzero-countdown-grpo", "verl-gsm8k-grpo", "verl-gsm8k-gspo"]
+DATA = Path(__file__).resolve().parent / "data" / "verl"
+
+needs_verl = pytest.mark.skipif(
+    importlib.util.find_spec("hydra") is None or verl_config_dir() is None,
+    reason=f"needs verl=={VERL_VERSION} (--no-deps) and hydra-core in the test venv",
+)
+
+
+def ctx_for(args, nodes=1, gpus=4, run_dir="/pscratch/sd/u/user/hpcrl/runs/r-1"):
+    trainer = VerlTrainer()
+    run_dir = Path(run_dir)
+    return trainer, TrainerContext(run_id="r-1", run_dir=run_dir, ckpt_dir=run_dir / "checkpoints",
+                                   args=trainer.validate_args(args), site={"gpus_per_node": gpus, "cpus_per_task": 128},
+                                   resources={"nodes": nodes}, python="/global/common/software/m1234/venv/bin/python")
+
+
+def recipe(name):
+    return yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+
+
+def verl_overrides(trainer, ctx, segment=2, deadline=1_800_000_000, wandb=False):
+    """Exactly what verl receives in segment `segment`: the static argv after '--', then the launcher's."""
+    argv = trainer.command(ctx)
+    opts = verl_launch.parse_args(argv[2:])
+    env = {"HPCRL_SEGMENT": str(segment), "HPCRL_DEADLINE": str(deadline), "SCRATCH": "/pscratch/sd/u/user"}
+    if wandb:
+        env["WANDB_API_KEY"] = "x"
+    return verl_launch.expand_paths(opts.overrides, env) + verl_launch.runtime_overrides(opts, env, ctx.run_dir, [])
+
+
+def base_args(**kw):
+    return {"model": "/m/Qwen2.5-3B-Instruct", "train_files": "/d/train.parquet", "val_files": "/d/test.parquet", **kw}
+
+
+# ------------------------------------------------------------------ composition with verl's config
+
+
+@needs_verl
+@pytest.mark.parametrize("name", VERL_RECIPES)
+def test_recipe_overrides_compose_to_the_intended_values(name):
+    spec = recipe(name)
+    assert spec["trainer"] == "verl"
+    trainer, ctx = ctx_for(spec["args"], gpus=spec["resources"]["gpus_per_node"])
+    cfg = compose(verl_overrides(trainer, ctx))
+    algo = spec["args"]["algorithm"]
+    assert cfg.algorithm.adv_estimator == {"ppo": "gae", "grpo": "grpo", "gspo": "grpo"}[algo]
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == ("gspo" if algo == "gspo" else "vanilla")
+    assert cfg.actor_rollout_ref.rollout.n == {"ppo": 1, "grpo": spec["args"].get("rollout_n", 5), "gspo": 16}[algo]
+    assert cfg.actor_rollout_ref.rollout.name == "vllm"
+    assert cfg.trainer.resume_mode == "auto"
+    assert cfg.trainer.default_local_dir == str(ctx.ckpt_dir)
+    assert cfg.trainer.save_freq > 0  # verl saves nothing (not even at the deadline) otherwise
+    assert cfg.trainer.val_before_train is False  # segment 2
+    assert cfg.trainer.use_v1 is False and cfg.trainer.esi_redundant_time == spec["args"].get("save_time_s", 300)
+    assert cfg.trainer.n_gpus_per_node == spec["resources"]["gpus_per_node"] and cfg.trainer.nnodes == 1
+    assert list(cfg.trainer.logger) == ["console", "file"]
+    env_vars = cfg.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env_vars.MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP == "1800000000"  # a str, as Ray requires
+    assert env_vars.VERL_FILE_LOGGER_PATH == str(ctx.run_dir / "verl-metrics" / "segment-002.jsonl")
+    assert cfg.reward.custom_reward_function.path == str(ctx.run_dir / "verl" / "rewards.py")
+    assert cfg.reward.custom_reward_function.name == "compute_score"
+    assert cfg.data.train_files.startswith("/pscratch/sd/u/user/")  # $SCRATCH expanded in the job
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size is None  # only the *_per_gpu form is set
+
+
+@needs_verl
+def test_tinyzero_recipe_keeps_tinyzero_settings():
+    spec = recipe("tinyzero-countdown-ppo")
+    trainer, ctx = ctx_for(spec["args"])
+    cfg = compose(verl_overrides(trainer, ctx, segment=1, wandb=True))
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (256, 256, 1024)
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6 and cfg.critic.optim.lr == 1e-5
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 64
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 8
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 8
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 4
+    assert cfg.critic.ppo_micro_batch_size_per_gpu == 8 and cfg.critic.model.path == cfg.actor_rollout_ref.model.path
+    assert cfg.algorithm.kl_ctrl.kl_coef == 0.001 and cfg.actor_rollout_ref.rollout.gpu_memory_utilization == 0.4
+    assert (cfg.trainer.save_freq, cfg.trainer.test_freq, cfg.trainer.total_epochs) == (100, 100, 15)
+    assert cfg.trainer.project_name == "TinyZero"
+    assert cfg.trainer.val_before_train is True  # first segment: evaluate before training
+    assert list(cfg.trainer.logger) == ["console", "file", "wandb"]
+
+
+@needs_verl
+def test_gspo_matches_verls_example():
+    _, ctx = ctx_for(base_args(algorithm="gspo"))
+    a = compose(VerlTrainer().overrides(ctx)).actor_rollout_ref.actor
+    assert (a.loss_agg_mode, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.use_kl_loss) == (
+        "seq-mean-token-mean", 3e-4, 4e-4, 10.0, False)
+
+
+@needs_verl
+def test_wrong_user_override_is_one_line_spec_error_at_validation():
+    with pytest.raises(SpecError) as e:
+        VerlTrainer().validate_args(base_args(overrides=["trainer.test_freq=5", "actor_rollout_ref.actor.entropy_coef=0.01"]))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "'actor_rollout_ref.actor.entropy_coef=0.01'" in msg and VERL_VERSION in msg
+
+
+@needs_verl
+def test_good_user_override_and_new_key_with_plus_pass():
+    args = VerlTrainer().validate_args(base_args(overrides=["actor_rollout_ref.actor.entropy_coeff=0.001",
+                                                            "+trainer.hpcrl_note=x"]))
+    _, ctx = ctx_for(args)
+    assert compose(VerlTrainer().overrides(ctx)).actor_rollout_ref.actor.entropy_coeff == 0.001
+
+
+@needs_verl
+@pytest.mark.parametrize("hostile", ["/p/with space/m", "/p/a,b/m", "/p/it's/m", "/p/[x]/m", "/p/a=b/m", "/p/back\\slash"])
+def test_hostile_paths_reach_verl_unchanged(hostile):
+    _, ctx = ctx_for(base_args(model=hostile, train_files=hostile + ".parquet"))
+    cfg = compose(VerlTrainer().overrides(ctx))
+    assert cfg.actor_rollout_ref.model.path == hostile
+    assert cfg.data.train_files == hostile + ".parquet"
+
+
+# ------------------------------------------------------------------ adapter behaviour without verl
+
+
+def test_user_may_not_override_hpcrl_owned_keys():
+    with pytest.raises(SpecError, match="trainer.default_local_dir.*set by hpcrl"):
+        VerlTrainer().validate_args(base_args(overrides=["trainer.default_local_dir=/elsewhere"]))
+
+
+@pytest.mark.parametrize("bad, field", [({"algorithm": "dpo"}, "args.algorithm"), ({"save_freq": 0}, "args.save_freq"),
+                                        ({"ppo_mini_batch_size": 512}, "args.ppo_mini_batch_size"),
+                                        ({"overrides": "x=1"}, "args.overrides"), ({"reward": "module.fn"}, "args.reward")])
+def test_bad_args_name_the_field(bad, field):
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        VerlTrainer().validate_args(base_args(**bad))
+
+
+def test_requirements_pin_verl_and_its_torch():
+    reqs = VerlTrainer().requirements(VerlTrainer().validate_args(base_args()), {})
+    assert reqs[0] == "verl[vllm]==0.9.1" and "torch==2.11.0" in reqs and "vllm==0.24.0" in reqs
+
+
+def test_files_ship_launcher_and_reward(tmp_path):
+    _, ctx = ctx_for(base_args(), run_dir=tmp_path)
+    files = VerlTrainer().files(ctx)
+    assert set(files) == {"verl/launch.py", "verl/rewards.py"}
+    assert "def compute_score(" in files["verl/rewards.py"]
+
+
+def test_single_node_has_no_bootstrap_and_gives_ray_the_cpus():
+    trainer, ctx = ctx_for(base_args())
+    assert trainer.bootstrap(ctx) == ""
+    assert "ray_kwargs.ray_init.num_cpus=128" in trainer.command(ctx)
+
+
+def test_multi_node_bootstrap_is_valid_bash_and_quotes_python(tmp_path):
+    trainer, ctx = ctx_for(base_args(), nodes=2)
+    ctx.python = "/sw/my venv/bin/python'; rm -rf ~"
+    script = trainer.bootstrap(ctx)
+    assert "trainer.nnodes=2" in trainer.command(ctx)
+    assert not any(o.startswith("ray_kwargs.ray_init.num_cpus") for o in trainer.command(ctx))
+    assert shlex.quote(ctx.python) in script and "ray start" not in script.replace("start --", "")  # via python -c
+    (tmp_path / "b.sh").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "b.sh")]).returncode == 0
+
+
+def test_bootstrap_starts_ray_through_srun_and_waits_for_all_nodes():
+    script = ray_bootstrap("python3", nodes=3, gpus_per_node=4, port=6379)
+    assert script.count("srun --nodes=1 --ntasks=1 --overlap -w") == 3  # ip, head, each worker
+    assert "start --head" in script and 'start --address "$RAY_ADDRESS"' in script
+    assert "-ge 3" in script and "export RAY_ADDRESS=" in script
+
+
+def test_checkpoint_step_needs_tracker_and_directory(tmp_path):
+    assert verl_checkpoint_step(tmp_path) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("40")
+    assert verl_checkpoint_step(tmp_path) is None  # tracker names a step that is not there
+    (tmp_path / "global_step_40" / "actor").mkdir(parents=True)
+    assert VerlTrainer().checkpoint_step(tmp_path.parent, tmp_path) == 40
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")  # torn write
+    assert verl_checkpoint_step(tmp_path) is None
+
+
+# ------------------------------------------------------------------ the job-side launcher
+
+
+def opts(**kw):
+    argv = ["--python", "py", "--ckpt-dir", "/c", "--save-freq", str(kw.pop("save_freq", 100))]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return verl_launch.parse_args(argv)
+
+
+def test_first_segment_keeps_validation_and_no_esi_without_deadline(tmp_path):
+    out = verl_launch.runtime_overrides(opts(), {"HPCRL_SEGMENT": "1"}, tmp_path, [])
+    assert not any("val_before_train" in o for o in out)
+    assert not any("MLP_CURRENT" in o for o in out)
+
+
+def test_periodic_mode_sizes_save_freq_from_measured_steps(tmp_path):
+    o = opts(save_mode="periodic", save_every_s=1800)
+    assert "trainer.save_freq=100" in verl_launch.runtime_overrides(o, {}, tmp_path, [])
+    assert "trainer.save_freq=15" in verl_launch.runtime_overrides(o, {}, tmp_path, [100.0, 120.0])
+    out = verl_launch.runtime_overrides(o, {"HPCRL_DEADLINE": "99"}, tmp_path, [120.0])
+    assert not any("MLP_CURRENT" in o for o in out)  # v1 trainer: ESI does not exist there
+
+
+def test_stop_rule_after_a_save():
+    o = opts(save_time_s=300)
+    assert not verl_launch.should_stop(o, 10_000, [])  # nothing measured yet
+    assert verl_launch.should_stop(o, 400, [100.0])  # 100 + 300 + 60 > 400: the next save would not fit
+    assert not verl_launch.should_stop(o, 500, [100.0])
+    assert verl_launch.should_stop(opts(save_mode="periodic", save_freq=10), 1300, [100.0])
+
+
+def test_metrics_of_earlier_segments_give_step_times(tmp_path):
+    d = tmp_path / "verl-metrics"
+    d.mkdir()
+    (d / "segment-001.jsonl").write_bytes((DATA / "file_logger_segment.jsonl").read_bytes())
+    times = verl_launch.past_step_times(tmp_path, segment=2)
+    assert times == [61.5, 58.25]
+    records, _ = verl_launch.read_verl_metrics(d / "segment-001.jsonl")
+    assert verl_launch.hpcrl_record(records[-1]) == {"step": 2, "trainer": "verl", "reward": 0.125,
+                                                    "step_s": 58.25, "pg_loss": -0.01, "response_len": 402.5}
+
+
+def test_prune_keeps_newest_complete_and_drops_torn(tmp_path):
+    for s in (10, 20, 30, 40):
+        (tmp_path / f"global_step_{s}").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("30")
+    gone = verl_launch.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in gone) == ["global_step_10", "global_step_40"]
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_20", "global_step_30"]
+
+
+def fake_verl(tmp_path, body):
+    """A stand-in `python` whose `-m verl.trainer.main_ppo` runs `body` (bash)."""
+    exe = tmp_path / "fakepy"
+    exe.write_text("#!/bin/bash\n" + body)
+    exe.chmod(0o755)
+    return exe
+
+
+def run_launcher(tmp_path, exe, deadline_in_s):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    env = {**os.environ, "HPCRL_RUN_DIR": str(tmp_path), "HPCRL_SEGMENT": "1", "HPCRL_METRICS": str(tmp_path / "m.jsonl"),
+           "HPCRL_DEADLINE": str(__import__("time").time() + deadline_in_s), "HPCRL_TEST_POLL_S": "0.2"}
+    code = ("import sys; sys.path.insert(0, %r); import verl_launch as v; v.POLL_S = 0.2; v.STOP_GRACE_S = 5; "
+            "sys.exit(v.main(sys.argv[1:]))") % str(Path(verl_launch.__file__).parent)
+    argv = [sys.executable, "-c", code, "--python", str(exe), "--ckpt-dir", str(ckpt), "--save-freq", "1",
+            "--save-time-s", "1", "--", "data.train_files=/x"]
+    return subprocess.run(argv, env=env, timeout=60, capture_output=True, text=True)
+
+
+def test_launcher_passes_through_completion(tmp_path):
+    assert run_launcher(tmp_path, fake_verl(tmp_path, "exit 0\n"), 3600).returncode == 0
+    assert run_launcher(tmp_path, fake_verl(tmp_path, "exit 3\n"), 3600).returncode == 3
+
+
+def test_launcher_stops_verl_after_last_save_and_exits_continue(tmp_path):
+    # "verl" logs a 30 s step and saves step 1; only 60 s are left, so another step + save cannot fit
+    body = f"""M="$VERL_FILE_LOGGER_PATH"; C={shlex.quote(str(tmp_path / 'ckpt'))}
+echo '{{"step": 1, "data": {{"timing_s/step": 30.0, "critic/score/mean": 0.5}}}}' >> "$M"
+mkdir -p "$C/global_step_1"; echo 1 > "$C/latest_checkpointed_iteration.txt"
+sleep 50
+"""
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 60)
+    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    assert "stopping verl for continuation" in result.stderr
+    assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["reward"] == 0.5
+
+
+# ------------------------------------------------------------------ the Countdown reward, called as verl calls it
+
+
+def _verl_import_utils():
+    """verl/utils/import_utils.py is stdlib-only, but `import verl` pulls in ray and torch: load the file."""
+    path = verl_config_dir().parents[1] / "utils" / "import_utils.py"
+    spec = importlib.util.spec_from_file_location("verl_import_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_verl
+def test_countdown_reward_through_verls_loader_and_call(tmp_path):
+    np = pytest.importorskip("numpy")
+    _, ctx = ctx_for(base_args(), run_dir=tmp_path)
+    for rel, text in VerlTrainer().files(ctx).items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    cfg = compose(VerlTrainer().overrides(ctx))
+    fn_cfg = cfg.reward.custom_reward_function
+    # verl/trainer/ppo/reward.py get_custom_reward_fn -> import_utils.load_extern_object(module_path, object_name)
+    score = _verl_import_utils().load_extern_object(module_path=fn_cfg.path, object_name=fn_cfg.name)
+    # verl/experimental/reward_loop/reward_manager/naive.py run_single: keyword call with the decoded
+    # response only (skip_special_tokens=True) and extra_info grown by num_turns/rollout_reward_scores
+    ground_truth = {"target": 24, "numbers": np.array([3, 4, 2])}  # parquet lists come back as arrays
+    extra = {"split": "test", "index": 0, "num_turns": 2, "rollout_reward_scores": {}}
+
+    def call(response):
+        return score(data_source="countdown", solution_str=response, ground_truth=ground_truth, extra_info=extra)
+
+    assert call("<think>3*4=12, 12*2=24</think> <answer>(3 * 4) * 2</answer>") == 1.0
+    assert call("<answer>3 * 4 + 2</answer>") == 0.1  # well-formed, wrong value
+    assert call("<answer>__import__('os').system('true')</answer>") == 0.1  # never evaluated
+    assert call("no answer tag at all") == 0.0
+    gsm = score(data_source="openai/gsm8k", solution_str="so 6 + 7 = 13\n#### 13", ground_truth="13", extra_info=extra)
+    assert gsm == 1.0
