@@ -179,7 +179,7 @@ def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float] 
         seg.update(state=runs.SEG_RUNNING, started=time.time(), start_step=step, k=runs.ran_segments(state) + 1)
         state["state"], state["reason"] = runs.RUNNING, ""
         runs.add_event(state, f"segment {seg['k']} started (job {job_id})")
-        if _stop_reason(state) is None:
+        if backend.chains_successors and _stop_reason(state) is None:
             _queue_segment(run, state, after=str(job_id))
     end = backend.end_time(str(job_id), run.dir, environ) or (time.time() + spec["spec"]["budget"]["hours"] * 3600)
     return seg["k"], end - float(spec["site"]["exit_margin_s"])
@@ -230,9 +230,13 @@ def segment_end(run_dir: str, job_id: str, rc: int) -> None:
             _finish_run(run, state, reason)
         elif any(s["state"] == runs.SEG_QUEUED for s in state["segments"]):
             state["state"] = runs.RESUBMITTED
-        else:
+        elif backend_for(run).chains_successors:
             _queue_segment(run, state, after=str(job_id))
             state["state"] = runs.RESUBMITTED
+        else:
+            # A backend that cannot queue from inside the job (TPU VMs): its watcher starts the
+            # next segment when it sees this state.
+            state["state"], state["reason"] = runs.RESUBMITTED, "waiting for the next segment to be started"
 
 
 def error_tail(run: Run, state: dict, lines: int = 3) -> str:
