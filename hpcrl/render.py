@@ -110,8 +110,9 @@ def requirements(resolved: dict) -> list[str]:
 
 
 def walltime_minutes(hours: float) -> int:
-    # Slurm limits are whole minutes; round up so a user never gets less than asked.
-    return max(1, math.ceil(hours * 60 - 1e-9))
+    # Slurm limits are whole minutes; round up so a user never gets less than asked (after
+    # rounding to whole seconds: 0.0167 h means one minute, not two).
+    return max(1, math.ceil(round(hours * 3600) / 60))
 
 
 def slurm_options(resolved: dict, paths: RunPaths) -> dict:
@@ -132,6 +133,7 @@ def slurm_options(resolved: dict, paths: RunPaths) -> dict:
         "open-mode": "append",
         "job-name": paths.run_id,
         "output": str(paths.logs_dir / "job-%j.log"),
+        "chdir": str(paths.run_dir),  # never the submitter's cwd (a stray ./hpcrl would shadow the snapshot)
         "dependency": "singleton",
     }
     return {**site.get("scheduler_flags", {}), **spec.get("scheduler_flags", {}), **opts}

@@ -75,7 +75,7 @@ RESERVED_FLAGS = {
     "output": "(the run directory)", "o": "(the run directory)", "error": "(the run directory)",
     "signal": "site.signal_lead_s", "account": "--account", "A": "--account", "qos": "--qos", "q": "--qos",
     "dependency": "(hpcrl chains segments)", "d": "(hpcrl chains segments)", "nodes": "--nodes",
-    "N": "--nodes", "open-mode": "(always append)", "parsable": "(always on)", "wrap": "(not allowed)",
+    "N": "--nodes", "chdir": "(the run directory)", "D": "(the run directory)", "open-mode": "(always append)", "parsable": "(always on)", "wrap": "(not allowed)",
 }
 FLAG_NAME_RE = re.compile(r"^[a-z][a-z0-9-]*$")
 

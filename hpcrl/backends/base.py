@@ -28,6 +28,9 @@ class JobState(str, enum.Enum):
 
 @dataclass
 class JobInfo:
+    """A job as its scheduler sees it. end_time: when it ended, or for a running job when the
+    scheduler will end it (its limit)."""
+
     job_id: str
     state: JobState
     reason: str = ""

@@ -1,5 +1,6 @@
 #!/bin/bash
 #SBATCH --account=m1234_g
+#SBATCH --chdir=/pscratch/sd/u/user/hpcrl/runs/smoke-pm
 #SBATCH --constraint=gpu
 #SBATCH --cpus-per-task=128
 #SBATCH --dependency=singleton

@@ -1,0 +1,283 @@
+"""Slurm: sbatch to submit, squeue/scontrol for state (sacct only as a last resort), scancel.
+
+The `parse_*` functions are pure and tested against outputs recorded from a real Slurm
+(tests/data/slurm/). The I/O methods go through `run_command`, so every failure becomes a one-line
+BackendError naming the command and its stderr tail.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from ..errors import BackendError, SpecError
+from .base import Backend, JobInfo, JobState, run_command
+
+# Every job state Slurm reports (squeue(1) "JOB STATE CODES"), mapped to ours. Only finished
+# states map to a finished JobState: the lifecycle must never treat a job whose processes may
+# still run (COMPLETING, STAGE_OUT, SUSPENDED) as over.
+SLURM_STATES: dict[str, JobState] = {
+    "PENDING": JobState.PENDING,
+    "CONFIGURING": JobState.PENDING,  # allocated, nodes booting: the script has not started yet
+    "REQUEUED": JobState.PENDING,  # will run again under the same id
+    "REQUEUE_FED": JobState.PENDING,
+    "REQUEUE_HOLD": JobState.PENDING,  # held after a requeue; runs once released
+    "RESV_DEL_HOLD": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "COMPLETING": JobState.RUNNING,  # script done, processes still being cleaned up
+    "SUSPENDED": JobState.RUNNING,  # keeps its allocation; resumes in place
+    "STOPPED": JobState.RUNNING,  # SIGSTOPped, keeps its allocation
+    "SIGNALING": JobState.RUNNING,
+    "RESIZING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING,  # burst-buffer stage-out after the script ended
+    "COMPLETED": JobState.COMPLETED,
+    "CANCELLED": JobState.CANCELLED,
+    "REVOKED": JobState.CANCELLED,  # federation: a sibling started elsewhere
+    "FAILED": JobState.FAILED,
+    "NODE_FAIL": JobState.FAILED,
+    "BOOT_FAIL": JobState.FAILED,
+    "OUT_OF_MEMORY": JobState.FAILED,
+    "SPECIAL_EXIT": JobState.FAILED,
+    "TIMEOUT": JobState.TIMEOUT,
+    "DEADLINE": JobState.TIMEOUT,  # killed at its --deadline: out of time, like a walltime
+    "PREEMPTED": JobState.PREEMPTED,
+}
+
+# Options of the form --long-name; anything else could smuggle a second option into the line.
+_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*\Z")
+# Values made only of these need no quoting in an #SBATCH line.
+_PLAIN_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:/=+%@-]+\Z")
+_JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?\Z")
+_NO_TIME = {"", "N/A", "NONE", "UNKNOWN", "NONE_SET"}
+
+
+def map_state(slurm_state: str) -> JobState:
+    """'CANCELLED by 0' (sacct) and 'RUNNING' both work; an unheard-of state is UNKNOWN."""
+    word = slurm_state.strip().split(" ")[0].upper().rstrip("+")
+    return SLURM_STATES.get(word, JobState.UNKNOWN)
+
+
+def _sbatch_quote(value: str) -> str:
+    # sbatch reads #SBATCH lines itself (bash sees comments): quotes group, a backslash escapes the
+    # next character even inside single quotes, an unquoted '#' ends the line. shlex.quote would
+    # lose backslashes, so escape '\' and "'" and wrap in single quotes.
+    if _PLAIN_VALUE_RE.match(value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def sbatch_directives(opts: dict) -> list[str]:
+    """Sorted `#SBATCH --key=value` lines; None/False are left out, True is a bare flag."""
+    lines = []
+    for key in sorted(opts):
+        value = opts[key]
+        if not isinstance(key, str) or not _OPTION_RE.match(key):
+            raise SpecError(f"sbatch option {key!r}: not a long option name (lowercase letters, digits, '-')")
+        if value is None or value is False:
+            continue
+        if value is True:
+            lines.append(f"#SBATCH --{key}")
+            continue
+        text = str(value)
+        if any(c in text for c in "\n\r\0"):
+            raise SpecError(f"sbatch option '{key}': value {text!r} contains a newline or NUL; use one line")
+        lines.append(f"#SBATCH --{key}={_sbatch_quote(text)}")
+    return lines
+
+
+# --- pure parsers ------------------------------------------------------------------------------
+
+def _epoch(text: str) -> float | None:
+    """Slurm's local-time 'YYYY-MM-DDTHH:MM:SS' as unix seconds; N/A, NONE, Unknown -> None."""
+    text = text.strip()
+    if text.upper() in _NO_TIME:
+        return None
+    try:
+        return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def _exit_code(text: str) -> int | None:
+    # 'code:signal'; a job killed by a signal reads as the shell would report it (128 + signal).
+    m = re.match(r"(\d+):(\d+)", text.strip())
+    if not m:
+        return None
+    code, signal = int(m.group(1)), int(m.group(2))
+    return 128 + signal if signal else code
+
+
+def _info(job_id: str, state: str, reason: str, start: float | None, end: float | None,
+          exit_code: int | None) -> JobInfo:
+    mapped = map_state(state)
+    # Slurm fills in an *expected* start for pending jobs: JobInfo carries only starts that
+    # happened. A running job's end is its limit (start + time limit): exactly what the segment
+    # needs for its deadline, so it is kept.
+    if mapped is JobState.PENDING:
+        start, end = None, None
+    if not mapped.finished:
+        exit_code = None
+    return JobInfo(job_id, mapped, "" if reason == "None" else reason, start, end, exit_code)
+
+
+def parse_squeue_text(text: str) -> dict[str, JobInfo]:
+    """Lines of `squeue -h -o '%i|%T|%r|%S|%e'` (no exit code in this format)."""
+    jobs = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 5:
+            continue
+        job_id, state, reason, start, end = parts
+        jobs[job_id] = _info(job_id, state, reason, _epoch(start), _epoch(end), None)
+    return jobs
+
+
+def _json_number(value) -> float | None:
+    # 22.05 gives plain ints (0 = unset); 23.02+ gives {"set": bool, "infinite": bool, "number": n}.
+    if isinstance(value, dict):
+        if not value.get("set", True) or value.get("infinite"):
+            return None
+        value = value.get("number")
+    return value if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _json_exit_code(value) -> int | None:
+    if isinstance(value, int):  # 22.05: the raw wait status (768 = exit 3; 15 = SIGTERM)
+        return 128 + (value & 0x7F) if value & 0x7F else value >> 8
+    if not isinstance(value, dict):
+        return None
+    # 23.02+: {"status": [...], "return_code": {"set", "number"}, "signal": {"id": {...}, "name"}}
+    signal = _json_number((value.get("signal") or {}).get("id"))
+    if signal:
+        return 128 + int(signal)
+    code = value.get("return_code")
+    if isinstance(code, dict):
+        return int(code.get("number", 0)) if code.get("set", True) else None
+    return code if isinstance(code, int) else None
+
+
+def parse_squeue_json(data: dict, job_ids=None) -> dict[str, JobInfo]:
+    """`squeue --json` output (already json-loaded), limited to `job_ids` when given."""
+    wanted = {str(j) for j in job_ids} if job_ids is not None else None
+    jobs = {}
+    for job in data.get("jobs", []):
+        job_id = str(job.get("job_id"))
+        if wanted is not None and job_id not in wanted:
+            continue
+        state = job.get("job_state", "")
+        if isinstance(state, list):  # 23.02+: base state first, then flags
+            state = state[0] if state else ""
+        jobs[job_id] = _info(job_id, state, str(job.get("state_reason", "")),
+                             _json_number(job.get("start_time")), _json_number(job.get("end_time")),
+                             _json_exit_code(job.get("exit_code")))
+    return jobs
+
+
+def parse_scontrol(text: str) -> dict[str, JobInfo]:
+    """`scontrol show job` output: one or more records of Key=Value fields."""
+    jobs = {}
+    for record in re.split(r"\n\s*\n", text):
+        fields = dict(re.findall(r"([A-Za-z][\w/:]*)=(\S*)", record))
+        if "JobId" not in fields or "JobState" not in fields:
+            continue
+        job_id = fields["JobId"]
+        jobs[job_id] = _info(job_id, fields["JobState"], fields.get("Reason", ""),
+                             _epoch(fields.get("StartTime", "")), _epoch(fields.get("EndTime", "")),
+                             _exit_code(fields.get("ExitCode", "")))
+    return jobs
+
+
+def parse_sacct(text: str) -> dict[str, JobInfo]:
+    """`sacct -P -n -o JobID,State,ExitCode,Start,End`; step lines (123.batch) are skipped."""
+    jobs = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 5 or "." in parts[0]:
+            continue
+        job_id, state, exit_code, start, end = parts
+        jobs[job_id] = _info(job_id, state, "", _epoch(start), _epoch(end), _exit_code(exit_code))
+    return jobs
+
+
+def parse_sbatch_parsable(text: str) -> str:
+    """`sbatch --parsable` prints 'ID' or 'ID;cluster'."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    job_id = lines[-1].split(";")[0] if lines else ""
+    if not _JOB_ID_RE.match(job_id):
+        raise BackendError(f"sbatch --parsable printed {text.strip()[:200]!r}, not a job id")
+    return job_id
+
+
+# --- I/O ---------------------------------------------------------------------------------------
+
+def _stderr_tail(result) -> str:
+    # One line for the user: the last two stderr lines, as run_command reports its failures.
+    return " ".join(result.stderr.strip().splitlines()[-2:])[:400] or f"exit code {result.returncode}"
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+    chains_successors = True
+
+    def submit(self, script: Path, run_dir: Path, job_name: str, after: str | None = None) -> str:
+        # Job name, output path and resources are #SBATCH lines in the rendered script, so that
+        # the script alone says how it runs; only the chain link is decided at submit time.
+        argv = ["sbatch", "--parsable"]
+        if after:
+            # The command line replaces the script's --dependency=singleton: keep both.
+            argv.append(f"--dependency=afterany:{after},singleton")
+        argv.append(str(script))
+        return parse_sbatch_parsable(run_command(argv).stdout)
+
+    def query(self, job_ids: list[str], run_dir: Path | None = None) -> dict[str, JobInfo]:
+        """State of each job; a job that no command knows any more is UNKNOWN."""
+        ids = [str(j) for j in job_ids]
+        if not ids:
+            return {}
+        found = self._squeue(ids)
+        # scontrol for jobs squeue no longer lists, and for finished ones: squeue's -o format
+        # has no exit code, and the lifecycle needs it (trainer exit codes pass through).
+        for job_id in [j for j in ids if j not in found or found[j].state.finished]:
+            found.update(self._scontrol(job_id))
+        missing = [j for j in ids if j not in found]
+        if missing:
+            found.update(self._sacct(missing))
+        return {j: found.get(j) or JobInfo(j, JobState.UNKNOWN, "not known to squeue, scontrol or sacct")
+                for j in ids}
+
+    def _squeue(self, ids: list[str]) -> dict[str, JobInfo]:
+        # Text with -j, not --json: Slurm 22.05's --json ignores -j and dumps every job on the
+        # cluster (tens of MB on a large site). -t all: finished jobs too, until MinJobAge.
+        argv = ["squeue", "-h", "-t", "all", "-o", "%i|%T|%r|%S|%e", "-j", ",".join(ids)]
+        result = run_command(argv, check=False)
+        if result.returncode == 0:
+            return parse_squeue_text(result.stdout)
+        if "Invalid job id" in result.stderr:  # none of the ids is known any more
+            return {}
+        raise BackendError(f"squeue failed: {_stderr_tail(result)}")
+
+    def _scontrol(self, job_id: str) -> dict[str, JobInfo]:
+        result = run_command(["scontrol", "show", "job", job_id], check=False)
+        return parse_scontrol(result.stdout) if result.returncode == 0 else {}
+
+    def _sacct(self, ids: list[str]) -> dict[str, JobInfo]:
+        # Often unavailable (no slurmdbd: "accounting storage is disabled"); then we know nothing.
+        argv = ["sacct", "-P", "-n", "-X", "-o", "JobID,State,ExitCode,Start,End", "-j", ",".join(ids)]
+        try:
+            result = run_command(argv, check=False)
+        except BackendError:  # sacct not installed
+            return {}
+        return parse_sacct(result.stdout) if result.returncode == 0 else {}
+
+    def cancel(self, job_ids: list[str], run_dir: Path | None = None) -> None:
+        ids = [str(j) for j in job_ids]
+        if not ids:
+            return
+        result = run_command(["scancel", *ids], check=False)
+        # Cancelling a job that already ended is not an error for us: the goal state holds.
+        if result.returncode != 0 and "Invalid job id" not in result.stderr:
+            raise BackendError(f"scancel failed: {_stderr_tail(result)}")
+
+    def current_job_id(self, environ) -> str | None:
+        return environ.get("SLURM_JOB_ID") or None
