@@ -63,19 +63,19 @@ def cmd_submit(ns) -> int:
 
 
 def cmd_status(ns) -> int:
-    from . import launch, report, runs
+    from . import report, runs
 
-    ids = [ns.run] if ns.run else runs.registered_ids()
-    rows = []
-    for run_id in ids:
-        try:
-            run = runs.Run.by_id(run_id)
-            state = launch.refresh(run)
-        except HpcrlError:
-            if ns.run:
-                raise
-            continue  # a run whose directory was deleted: skip it in the overview
-        rows.append((run, state, report.summary(run, state)))
+    def refresh(run):
+        from . import launch  # only for active runs: it loads the scheduler backends
+
+        return launch.refresh(run)
+
+    if ns.run:
+        run = runs.Run.by_id(ns.run)
+        state = refresh(run)
+        rows = [(run, state, report.summary(run, state))]
+    else:
+        rows = report.status_rows(runs.registered_ids(), refresh)
     if ns.json:
         print(json.dumps([r[2] for r in rows], indent=1))
     elif ns.run:

@@ -6,8 +6,6 @@ Anything that is not an HpcrlError is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import difflib
-
 
 class HpcrlError(Exception):
     """A mistake the user can fix; the message says how."""
@@ -31,6 +29,8 @@ class BackendError(HpcrlError):
 
 def did_you_mean(word: str, choices) -> str:
     """' (did you mean 'x'?)' when a close match exists, else ''."""
+    import difflib  # only on the error path
+
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 

@@ -102,6 +102,7 @@ def submit(resolved: dict, run_id: str | None = None) -> Run:
         runs.unregister(run.id)
         shutil.rmtree(run.dir, ignore_errors=True)
         raise
+    _publish_state(run)  # [tpu]
     return run
 
 
@@ -299,6 +300,7 @@ def resume(run_id: str, hours: float | None = None, total_hours: float | None = 
         state["state"], state["reason"] = runs.PENDING, "resumed"
         runs.add_event(state, "resumed by the user")
         _queue_segment(run, state, after=None)
+    _publish_state(run)  # [tpu]
     return run
 
 
@@ -320,6 +322,12 @@ def _rerender(run: Run, hours: float) -> None:
 
 def refresh(run: Run) -> dict:
     """Reconcile an active run with its scheduler: a chain with no live job left is STOPPED."""
+    # [tpu] A backend that cannot chain successors has a watcher that owns this reconciliation
+    # (start the next segment, re-create a preempted VM, close a deleted one): one step of it.
+    if not backend_for(run).chains_successors:
+        from . import watch
+
+        return watch.refresh(run)
     state = run.state()
     if state["state"] not in runs.ACTIVE_STATES:
         return state
@@ -344,3 +352,50 @@ def refresh(run: Run) -> dict:
         state["reason"] = f"no job left in the queue (ended outside hpcrl); `hpcrl resume {run.id}` continues it"
         runs.add_event(state, state["reason"])
     return state
+
+
+# ---------------------------------------------------------------- [tpu] for watchers
+# Backends that cannot queue a successor from inside a job (chains_successors = False: TPU VMs)
+# have a watcher outside the job (hpcrl/watch.py). These are the lifecycle steps it takes, with
+# the same rules as the in-job hooks above.
+
+
+def queue_next_segment(run: Run) -> str | None:
+    """Queue the next segment of an active run with no live segment: its job id, or None when
+    the run must stop instead (budget, max_segments, crash loop) or needs nothing."""
+    with run.locked() as state:
+        live = [s for s in state["segments"] if s["state"] in (runs.SEG_QUEUED, runs.SEG_RUNNING)]
+        if state["state"] not in runs.ACTIVE_STATES or live:
+            return None
+        reason = _stop_reason(state)
+        if reason:
+            _finish_run(run, state, reason)
+            return None
+        seg = _queue_segment(run, state, after=None)
+        state["state"], state["reason"] = runs.RESUBMITTED, ""
+        runs.add_event(state, f"next segment queued (job {seg['job_id']})")
+    _publish_state(run)
+    return seg["job_id"]
+
+
+def close_segment(run: Run, job_id: str, why: str) -> None:
+    """Close a segment whose job ended without its end hook (a preempted or deleted VM)."""
+    step = _ckpt_step(run)
+    with run.locked() as state:
+        seg = runs.segment_by_job(state, job_id)
+        if seg is None or seg["state"] not in (runs.SEG_QUEUED, runs.SEG_RUNNING):
+            return
+        if seg["state"] == runs.SEG_QUEUED:
+            seg.update(state=runs.SEG_CANCELLED, ended=time.time(), reason=why)
+        else:
+            seg.update(state=runs.SEG_LOST, ended=time.time(), end_step=step, rc=None, reason=why)
+            _count_progress(state, seg)
+        runs.add_event(state, f"segment {seg.get('k') or '-'} (job {job_id}) {why}")
+
+
+def _publish_state(run: Run) -> None:
+    # A job that reads the run's state from elsewhere (a TPU VM reads it from the bucket) gets
+    # the committed state.json once the lock is released.
+    publish = getattr(backend_for(run), "publish_state", None)
+    if publish:
+        publish(run.dir)

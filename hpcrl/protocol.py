@@ -22,16 +22,16 @@ pointer file CKPT_DIR/LATEST names the newest complete one and is replaced atomi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+# hashlib, shutil and tempfile are imported where used: `hpcrl status` reads this module and
+# must start fast.
 
 EXIT_COMPLETE = 0
 EXIT_CONTINUE = 85  # stopped for continuation (like Slurm's "requeue" convention of a named code)
@@ -169,6 +169,8 @@ def fsync_dir(path) -> None:
 
 def atomic_write_text(path, text: str, mode: int | None = None) -> None:
     """Write via a temporary file in the same directory, fsync, rename over `path`."""
+    import tempfile
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -206,6 +208,8 @@ def checkpoint_step_of(path) -> int | None:
 
 
 def _sha256(path, bufsize: int = 1 << 20) -> str:
+    import hashlib
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(bufsize):
@@ -250,6 +254,8 @@ def verify_checkpoint(directory, deep: bool = True) -> str | None:
 
 def new_checkpoint_dir(ckpt_dir) -> Path:
     """A fresh temporary directory inside ckpt_dir to write a checkpoint into."""
+    import tempfile
+
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir))
@@ -257,6 +263,8 @@ def new_checkpoint_dir(ckpt_dir) -> Path:
 
 def publish_checkpoint(ckpt_dir, tmp_dir, step: int, keep_last: int = 3, extra: dict | None = None) -> Path:
     """Seal a fully written temporary checkpoint: manifest, fsync, rename, pointer, prune."""
+    import shutil
+
     ckpt_dir = Path(ckpt_dir)
     write_manifest(tmp_dir, {"step": step, "time": time.time(), **(extra or {})})
     fsync_dir(tmp_dir)
@@ -281,6 +289,8 @@ def list_checkpoints(ckpt_dir) -> list[tuple[int, Path]]:
 
 
 def prune_checkpoints(ckpt_dir, keep_last: int) -> None:
+    import shutil
+
     ckpts = list_checkpoints(ckpt_dir)
     for _, path in ckpts[: max(0, len(ckpts) - max(1, keep_last))]:
         shutil.rmtree(path, ignore_errors=True)

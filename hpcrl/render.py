@@ -164,11 +164,22 @@ def _environment(resolved: dict) -> list[tuple[str, str]]:
     return sorted(ctx_env.items())
 
 
+def tpu_paths(paths: RunPaths) -> RunPaths:
+    """[tpu] The job runs on the TPU VM: its run dir there, not this machine's mirror of it."""
+    from dataclasses import replace
+
+    from .backends.tpu import vm_run_dir
+
+    return replace(paths, run_dir=Path(vm_run_dir(paths.run_id)))
+
+
 def render_script(resolved: dict, paths: RunPaths) -> str:
     """The segment script, byte for byte what the backend submits."""
     import jinja2
 
     spec, site = resolved["spec"], resolved["site"]
+    if site["scheduler"] == "tpu":  # [tpu] see tpu_paths
+        paths = tpu_paths(paths)
     trainer = get_trainer(spec["trainer"])
     ctx = trainer_context(resolved, paths)
     reqs = requirements(resolved)
