@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import protocol, runs
 from .backends import get_backend
-from .errors import RunError, SpecError
+from .errors import BackendError, RunError, SpecError
 from .paths import hpcrl_home
 from .render import RunPaths, expand_path, render_script, requirements, trainer_context
 from .runs import Run
@@ -181,9 +181,22 @@ def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float] 
         state["state"], state["reason"] = runs.RUNNING, ""
         runs.add_event(state, f"segment {seg['k']} started (job {job_id})")
         if backend.chains_successors and _stop_reason(state) is None:
-            _queue_segment(run, state, after=str(job_id))
-    end = backend.end_time(str(job_id), run.dir, environ) or (time.time() + spec["spec"]["budget"]["hours"] * 3600)
-    return seg["k"], end - float(spec["site"]["exit_margin_s"])
+            try:
+                _queue_segment(run, state, after=str(job_id))
+            except BackendError as e:
+                # This segment still runs; segment_end tries again to queue the next one.
+                runs.add_event(state, f"could not queue the successor: {e}")
+    return seg["k"], _job_end(backend, run, str(job_id), environ, spec) - float(spec["site"]["exit_margin_s"])
+
+
+def _job_end(backend, run: Run, job_id: str, environ, spec: dict) -> float:
+    """The job's real end time from its scheduler; the walltime from now if it cannot say."""
+    try:
+        end = backend.end_time(job_id, run.dir, environ)
+    except BackendError as e:
+        print(f"hpcrl: warning: cannot read the job's end time ({e}); assuming the full walltime", file=sys.stderr)
+        end = None
+    return end or time.time() + spec["spec"]["budget"]["hours"] * 3600
 
 
 def _finish_run(run: Run, state: dict, reason: str) -> None:
@@ -232,8 +245,12 @@ def segment_end(run_dir: str, job_id: str, rc: int) -> None:
         elif any(s["state"] == runs.SEG_QUEUED for s in state["segments"]):
             state["state"] = runs.RESUBMITTED
         elif backend_for(run).chains_successors:
-            _queue_segment(run, state, after=str(job_id))
-            state["state"] = runs.RESUBMITTED
+            try:
+                _queue_segment(run, state, after=str(job_id))
+                state["state"] = runs.RESUBMITTED
+            except BackendError as e:
+                state["state"], state["reason"] = runs.STOPPED, f"could not queue the next segment ({e}); `hpcrl resume {run.id}`"
+                runs.add_event(state, state["reason"])
         else:
             # A backend that cannot queue from inside the job (TPU VMs): its watcher starts the
             # next segment when it sees this state.
