@@ -380,11 +380,16 @@ def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str
 
     As verl's examples/tutorial/slurm/ray_on_slurm.slurm, except that the driver runs in the
     batch shell itself: Slurm runs the batch script on the allocation's first node, which is the
-    head, so `srun --overlap -w head` adds nothing but a second quoting layer.
+    head, so `srun --overlap -w head` adds nothing but a second quoting layer. Ray is stopped when
+    the batch shell exits (EXIT trap), so no head outlives its segment and holds the port or the
+    GPUs when the next segment lands on the same node.
     """
     from ..render import q  # the one quoting path (lazy: render imports the trainer registry)
 
-    ray = f"{q(python)} -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = \"ray\"; main()'"
+    # No drain on TERM (Ray >= 2.5x waits up to 30 s for a GCS that gets the same TERM): verl
+    # runs no Ray Serve, the one thing draining is for.
+    ray = (f"env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 {q(python)} "
+           f"-c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = \"ray\"; main()'")
     return f"""\
 # --- Ray cluster over the allocation (hpcrl verl adapter) ---
 hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
@@ -392,13 +397,34 @@ hpcrl_head=${{hpcrl_nodes[0]}}
 hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" hostname --ip-address | awk '{{print $1}}')
 export RAY_ADDRESS="$hpcrl_head_ip:"{q(str(port))}
 hpcrl_ray_cpus=${{SLURM_CPUS_PER_TASK:-$(nproc)}}
+hpcrl_ray_pids=()
+hpcrl_ray_wait() {{  # up to $1 s for the Ray sruns to end; true when they have
+    for hpcrl_try in $(seq 1 "$1"); do
+        kill -0 "${{hpcrl_ray_pids[@]}}" 2>/dev/null || return 0
+        sleep 1
+    done
+    ! kill -0 "${{hpcrl_ray_pids[@]}}" 2>/dev/null
+}}
+hpcrl_ray_stop() {{
+    # TERM to the job's steps (never the batch shell) reaches each `ray start --block`, which
+    # stops its raylet, GCS and workers itself. If that hangs, TERM to srun makes Slurm kill the
+    # whole step. Either way no Ray daemon outlives the segment.
+    [ "${{#hpcrl_ray_pids[@]}}" -gt 0 ] || return 0
+    echo "hpcrl: stopping Ray" >&2
+    scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null
+    hpcrl_ray_wait 45 || {{ kill -TERM "${{hpcrl_ray_pids[@]}}" 2>/dev/null; hpcrl_ray_wait 20; }}
+    echo "hpcrl: Ray stopped" >&2
+}}
+trap hpcrl_ray_stop EXIT
 srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \\
     {ray} start --head --node-ip-address="$hpcrl_head_ip" --port={q(str(port))} \\
     --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --block &
+hpcrl_ray_pids+=($!)
 sleep 10
 for hpcrl_node in "${{hpcrl_nodes[@]:1}}"; do
     srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \\
         {ray} start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --block &
+    hpcrl_ray_pids+=($!)
 done
 hpcrl_alive=0
 for hpcrl_try in $(seq 1 60); do
@@ -408,6 +434,8 @@ for hpcrl_try in $(seq 1 60); do
 done
 if [ "${{hpcrl_alive:-0}}" -lt {q(str(nodes))} ] 2>/dev/null; then
     echo "hpcrl: only ${{hpcrl_alive:-0}} of "{q(str(nodes))}" Ray nodes joined within 5 minutes" >&2
+    # recorded as a failed segment (not a lost one), so crash-loop detection sees it
+    "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
     exit 1
 fi
 echo "hpcrl: Ray cluster up: $hpcrl_alive node(s) at $RAY_ADDRESS" >&2
