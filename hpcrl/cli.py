@@ -71,6 +71,9 @@ def cmd_submit(ns) -> int:
     print(f"submitted run {run.id} (job {job}) on site {state['site']}")
     print(f"  run dir: {run.dir}")
     print(f"  watch:   hpcrl status {run.id}   |   hpcrl logs {run.id} -f")
+    if state.get("scheduler") == "tpu":  # [tpu] nothing inside a TPU VM can start the next one
+        print(f"  keep `hpcrl watch {run.id}` running (e.g. under nohup): it starts each next segment and "
+              "re-creates preempted VMs")
     return 0
 
 

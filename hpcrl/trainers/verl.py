@@ -418,12 +418,13 @@ hpcrl_ray_stop() {{
 trap hpcrl_ray_stop EXIT
 srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \\
     {ray} start --head --node-ip-address="$hpcrl_head_ip" --port={q(str(port))} \\
-    --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --block &
+    --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --disable-usage-stats --block &
 hpcrl_ray_pids+=($!)
 sleep 10
 for hpcrl_node in "${{hpcrl_nodes[@]:1}}"; do
     srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \\
-        {ray} start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --block &
+        {ray} start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} \\
+        --disable-usage-stats --block &
     hpcrl_ray_pids+=($!)
 done
 hpcrl_alive=0
