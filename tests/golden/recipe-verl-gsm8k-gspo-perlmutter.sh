@@ -1,0 +1,98 @@
+#!/bin/bash
+#SBATCH --account=m1234_g
+#SBATCH --chdir=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo
+#SBATCH --constraint=gpu
+#SBATCH --cpus-per-task=128
+#SBATCH --dependency=singleton
+#SBATCH --gpus-per-node=4
+#SBATCH --job-name=verl-gsm8k-gspo
+#SBATCH --mem=200G
+#SBATCH --nodes=1
+#SBATCH --open-mode=append
+#SBATCH --output=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/logs/job-%j.log
+#SBATCH --qos=regular
+#SBATCH --signal=B:USR1@300
+#SBATCH --time=240
+#SBATCH --time-min=60
+# hpcrl segment script for run verl-gsm8k-gspo on site perlmutter.
+# Rendered by hpcrl 0.1.0; every segment of the run executes this same file.
+# What it does: record the segment's start and queue its successor (hpcrl _segment begin),
+# set up the environment, run the trainer in the background under the walltime protocol,
+# forward USR1/TERM to it, wait until it really exits, then record the outcome (_segment end).
+set -uo pipefail
+
+export HPCRL_RUN_ID=verl-gsm8k-gspo
+export HPCRL_RUN_DIR=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo
+export HPCRL_CKPT_DIR=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints
+export HPCRL_METRICS=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/metrics.jsonl
+hpcrl_py=/opt/hpcrl/bin/python
+export PYTHONPATH=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/lib${PYTHONPATH:+:$PYTHONPATH}
+export HPCRL_JOB_ID="$SLURM_JOB_ID"
+
+# Which segment this is, its deadline from the job's real end time, and the queued successor.
+# Exit status 3 means there is nothing to do (run complete, cancelled or out of budget).
+begin_out=$("$hpcrl_py" -m hpcrl.cli _segment begin "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID")
+begin_rc=$?
+if [ "$begin_rc" -eq 3 ]; then
+  echo "hpcrl: nothing left to do for run $HPCRL_RUN_ID; exiting"
+  exit 0
+elif [ "$begin_rc" -ne 0 ]; then
+  echo "hpcrl: segment start failed (exit $begin_rc); not starting the trainer" >&2
+  exit "$begin_rc"
+fi
+read -r HPCRL_SEGMENT HPCRL_DEADLINE <<<"$begin_out"
+export HPCRL_SEGMENT HPCRL_DEADLINE
+echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hostname) deadline $(date -d "@${HPCRL_DEADLINE%.*}" '+%F %T')"
+
+
+# Modules (site profile)
+module load python
+
+
+# Environment (spec and site; secrets are never written here: they come from the submitting
+# shell's environment)
+export OMP_NUM_THREADS=8
+export PYTHONUNBUFFERED=1
+
+
+# The venv: built once per distinct requirement set, under a lock so that concurrent segments
+# and runs never build it twice; a build that died leaves no ready marker and is redone.
+venv=/global/common/software/m1234/hpcrl/venvs/5f186cc34b1c
+mkdir -p "$(dirname "$venv")"
+(
+  flock 9
+  if [ ! -f "$venv/.hpcrl-ready" ]; then
+    echo "hpcrl: building venv $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv" &&
+      "$venv/bin/python" -m pip install --quiet --upgrade pip &&
+      "$venv/bin/python" -m pip install --quiet -r /pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/requirements.txt &&
+      touch "$venv/.hpcrl-ready" || { echo "hpcrl: venv build failed" >&2; exit 1; }
+  fi
+) 9>"$venv.lock" || { "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1; exit 1; }
+source "$venv/bin/activate"
+trainer_py="$venv/bin/python"
+
+
+
+cd "$HPCRL_RUN_DIR"
+
+
+# The trainer runs in the background so that the traps below run while it works.
+trainer_pid=""
+forward() {
+  [ -n "$trainer_pid" ] && kill -s "$1" "$trainer_pid" 2>/dev/null
+}
+trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
+trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
+"$trainer_py" /pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/verl/launch.py --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints --save-mode deadline --save-freq 20 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/gsm8k/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/gsm8k/test.parquet'"'"'' data.train_batch_size=128 data.max_prompt_length=512 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-0.5B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gspo actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean actor_rollout_ref.actor.clip_ratio_low=0.0003 actor_rollout_ref.actor.clip_ratio_high=0.0004 actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.use_kl_loss=False algorithm.use_kl_in_reward=False reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints trainer.resume_mode=auto trainer.nnodes=1 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=10 trainer.project_name=hpcrl-gsm8k trainer.experiment_name=verl-gsm8k-gspo trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300 ray_kwargs.ray_init.num_cpus=128 &
+trainer_pid=$!
+# `wait` returns early when a trap fires; wait again until the trainer has really exited.
+while :; do
+  wait "$trainer_pid"
+  rc=$?
+  kill -0 "$trainer_pid" 2>/dev/null || break
+done
+echo "hpcrl: trainer exited with code $rc"
+"$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc "$rc"
+exit "$rc"

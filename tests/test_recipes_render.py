@@ -1,0 +1,82 @@
+"""Every shipped trainer recipe renders for its site: golden scripts (HPCRL_UPDATE_GOLDENS=1 rewrites
+them), bash -n, and the shape of the verl script on one node (no srun) and on two (Ray via srun)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, hpcrl
+from test_render import FIXED, PY, bash_n, check_golden
+
+VERL_RECIPES = ["tinyzero-countdown-ppo", "tinyzero-countdown-grpo", "verl-gsm8k-grpo", "verl-gsm8k-gspo"]
+MAXTEXT_RECIPES = ["maxtext-llama3.1-8b-grpo", "maxtext-llama3.1-8b-gspo"]
+PERLMUTTER = ["--site", "perlmutter", "--account", "m1234_g", "--hours", "4"]
+# The TPU site needs a project, zone and bucket; any well-formed values render the same script.
+TPU = ["--site", "tpu-v5p-8", "--hours", "4", "--set", "site.project=hpcrl-demo",
+       "--set", "site.zone=us-east5-a", "--set", "site.bucket=gs://hpcrl-demo-bucket"]
+
+
+def render_recipe(tmp_path: Path, recipe: str, *args: str) -> str:
+    spec = tmp_path / f"{recipe}.yaml"
+    hpcrl("init", "--recipe", recipe, "--out", spec, env=FIXED)
+    return hpcrl("render", spec, *args, env=FIXED).stdout
+
+
+def verl_command(text: str) -> str:
+    return next(ln for ln in text.splitlines() if "/verl/launch.py" in ln)
+
+
+@pytest.mark.parametrize("recipe", VERL_RECIPES)
+def test_verl_recipe_renders_on_perlmutter(tmp_path, recipe):
+    text = render_recipe(tmp_path, recipe, *PERLMUTTER, "--name", recipe, PY)
+    bash_n(text)
+    assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=4" in text
+    cmd = verl_command(text)
+    assert cmd.startswith('"$trainer_py" ') and cmd.endswith(" &")
+    for override in ("trainer.resume_mode=auto", "trainer.nnodes=1", "trainer.n_gpus_per_node=4",
+                     f"trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/{recipe}/checkpoints",
+                     "ray_kwargs.ray_init.num_cpus=128"):
+        assert f" {override} " in f" {cmd} ", override
+    assert "srun" not in text and "hpcrl_ray" not in text, "one node: verl starts Ray itself, no srun"
+    check_golden(f"recipe-{recipe}-perlmutter.sh", text)
+
+
+def test_verl_multinode_script_starts_ray_head_and_workers_through_srun(tmp_path):
+    text = render_recipe(tmp_path, "tinyzero-countdown-grpo", *PERLMUTTER, "--name", "verl-multinode",
+                         "--nodes", "2", PY)
+    bash_n(text)
+    assert "#SBATCH --nodes=2" in text
+    head = re.search(r'^srun --nodes=1 --ntasks=1 --overlap -w "\$hpcrl_head" \\\n(.*\n){2}', text, re.M)
+    assert head and " start --head " in head.group(0) and "--port=6379" in head.group(0)
+    assert head.group(0).rstrip().endswith("--block &")
+    worker = re.search(r'^for hpcrl_node in "\$\{hpcrl_nodes\[@\]:1\}"; do\n'
+                       r'    srun --nodes=1 --ntasks=1 --overlap -w "\$hpcrl_node" \\\n(.*\n){2}', text, re.M)
+    assert worker and ' start --address "$RAY_ADDRESS" ' in worker.group(0)
+    assert 'hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" hostname --ip-address' in text
+    assert 'export RAY_ADDRESS="$hpcrl_head_ip:"6379' in text
+    assert "trap hpcrl_ray_stop EXIT" in text, "Ray must not outlive the segment"
+    # Ray is up before the driver starts, and the driver is told the node count, not Ray's CPUs
+    assert text.index("Ray cluster up") < text.index("/verl/launch.py")
+    cmd = verl_command(text)
+    assert " trainer.nnodes=2 " in cmd and "ray_kwargs.ray_init.num_cpus" not in cmd
+    check_golden("verl-multinode-perlmutter.sh", text)
+
+
+@pytest.mark.parametrize("recipe", MAXTEXT_RECIPES)
+def test_maxtext_recipe_renders_on_tpu(tmp_path, recipe):
+    if not (ROOT / "site_configs" / "tpu-v5p-8.yaml").is_file():
+        pytest.skip("site tpu-v5p-8 not shipped yet")
+    text = render_recipe(tmp_path, recipe, *TPU, "--name", recipe)
+    bash_n(text)
+    assert "maxtext.trainers.post_train.rl.train_rl" in text and "chips_per_vm=4" in text
+    assert ("loss_algo=gspo-token" in text) == recipe.endswith("gspo")
+    assert "srun" not in text and "#SBATCH" not in text
+    check_golden(f"recipe-{recipe}-tpu-v5p-8.sh", text)
+
+
+def test_trainer_adapters_quote_only_through_render_q():
+    """The one quoting path: adapters that build shell text import hpcrl.render.q, never shlex."""
+    for path in sorted((ROOT / "hpcrl" / "trainers").glob("*.py")):
+        assert "shlex" not in path.read_text(encoding="utf-8"), f"{path.name}: use hpcrl.render.q"
+    assert "from ..render import q" in (ROOT / "hpcrl" / "trainers" / "verl.py").read_text(encoding="utf-8")
