@@ -40,13 +40,25 @@ def _resolve(ns):
         validate_name(ns.name)
     flags = {k: getattr(ns, k) for k in ("hours", "hours_min", "total_hours", "max_segments", "qos", "account",
                                          "nodes", "trainer")}
-    return resolve(spec, ns.site, ns.sets, flags)
+    resolved = resolve(spec, ns.site, ns.sets, flags)
+    if resolved["site"]["scheduler"] == "tpu":  # [tpu] project/zone from gcloud's config, then checked
+        from .backends.tpu import complete_site
+
+        complete_site(resolved["site"])
+    return resolved
 
 
 def cmd_render(ns) -> int:
     from . import launch
 
-    sys.stdout.write(launch.render(_resolve(ns), ns.name))
+    resolved = _resolve(ns)
+    run_id = ns.name or launch.default_run_id(resolved["spec"]["name"])
+    text = launch.render(resolved, run_id)
+    if resolved["site"]["scheduler"] == "tpu":  # [tpu] also the gcloud create argv and the VM startup script
+        from .backends.tpu import dry_run
+
+        text = dry_run(resolved, run_id, text)
+    sys.stdout.write(text)
     return 0
 
 
@@ -59,6 +71,9 @@ def cmd_submit(ns) -> int:
     print(f"submitted run {run.id} (job {job}) on site {state['site']}")
     print(f"  run dir: {run.dir}")
     print(f"  watch:   hpcrl status {run.id}   |   hpcrl logs {run.id} -f")
+    if state.get("scheduler") == "tpu":  # [tpu] nothing inside a TPU VM can start the next one
+        print(f"  keep `hpcrl watch {run.id}` running (e.g. under nohup): it starts each next segment and "
+              "re-creates preempted VMs")
     return 0
 
 
@@ -88,15 +103,30 @@ def cmd_status(ns) -> int:
 
 
 def cmd_logs(ns) -> int:
-    from . import report, runs
+    from . import report, runs, watch
 
     run = runs.Run.by_id(ns.run)
+    if watch.is_watched_backend(run):  # [tpu] the watcher's tick copies a TPU run's logs from its bucket
+        watch.refresh(run)
+        if ns.follow:
+            watch.follow_in_background(run, interval_s=ns.interval)
     index = report.pick_segment(run.state(), ns.segment)
     try:
         report.follow(run, index, sys.stdout, follow_on=ns.follow)
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def cmd_watch(ns) -> int:
+    from . import watch
+
+    if ns.interval <= 0:
+        raise HpcrlError(f"--interval {ns.interval}: must be a positive number of seconds")
+    try:
+        return watch.watch(ns.run, interval_s=ns.interval, once=ns.once)
+    except KeyboardInterrupt:
+        return 130
 
 
 def cmd_resume(ns) -> int:
@@ -188,7 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run")
     sp.add_argument("-f", "--follow", action="store_true", help="follow live, moving on to each next segment")
     sp.add_argument("--segment", type=int, help="segment K (default: the newest)")
+    sp.add_argument("--interval", type=float, default=30.0, help="TPU runs: seconds between copies from the bucket (default 30)")
     sp.set_defaults(func=cmd_logs)
+    sp = sub.add_parser("watch", help="keep a run going: poll it, start next segments, re-create preempted TPU VMs")
+    sp.add_argument("run")
+    sp.add_argument("--interval", type=float, default=60.0, help="seconds between polls (default 60)")
+    sp.add_argument("--once", action="store_true", help="poll once, print one line and exit")
+    sp.set_defaults(func=cmd_watch)
     sp = sub.add_parser("resume", help="continue a stopped, cancelled or failed run from its last checkpoint")
     sp.add_argument("run")
     sp.add_argument("--hours", type=float, help="new walltime per segment")

@@ -65,8 +65,6 @@ def test_verl_multinode_script_starts_ray_head_and_workers_through_srun(tmp_path
 
 @pytest.mark.parametrize("recipe", MAXTEXT_RECIPES)
 def test_maxtext_recipe_renders_on_tpu(tmp_path, recipe):
-    if not (ROOT / "site_configs" / "tpu-v5p-8.yaml").is_file():
-        pytest.skip("site tpu-v5p-8 not shipped yet")
     text = render_recipe(tmp_path, recipe, *TPU, "--name", recipe)
     bash_n(text)
     assert "maxtext.trainers.post_train.rl.train_rl" in text and "chips_per_vm=4" in text

@@ -1,0 +1,409 @@
+"""The tpu backend: single-host Cloud TPU VMs obtained through gcloud queued resources.
+
+One segment = one queued resource (QR) whose VM runs a rendered startup script
+(templates/tpu-startup.sh.j2): fetch the run's files from the bucket, run the same job.sh every
+backend runs under a deadline, copy logs/state/metrics/checkpoints back, delete its own QR.
+A TPU VM cannot queue its successor, so `chains_successors` is False and hpcrl/watch.py starts
+each next segment and re-creates preempted VMs.
+
+Bucket layout (run_uri = BUCKET/hpcrl-runs/RUN/run):
+    run_uri/...                     the run dir: spec, job.sh, lib/, checkpoints/, logs/, metrics
+    run_uri/state.json              published by the launcher before a segment starts
+    run_uri/jobs/QR/state.json      the VM's view while it runs; final.json once it is done
+    BUCKET/hpcrl-runs/RUN/secrets.env   WANDB_API_KEY / HF_TOKEN, shell-quoted (never in the run dir)
+
+Pure functions (`*_argv`, `parse_*`, `explain`, `qr_name`, `render_startup`) are separate from
+the methods that run gcloud, all through base.run_command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BackendError, SiteError, one_of
+from ..protocol import atomic_write_json, atomic_write_text
+from .base import Backend, JobInfo, JobState, run_command
+
+PROVISIONING = {  # mode -> (gcloud release track, extra create flags)
+    "spot": ([], ["--spot"]),
+    "reserved": ([], ["--reserved"]),
+    "on-demand": ([], []),
+    "best-effort": (["alpha"], ["--best-effort"]),
+}
+
+# The one mapping from queued-resource states (state.state) to hpcrl's JobState.
+STATES = {
+    "CREATING": JobState.PENDING, "ACCEPTED": JobState.PENDING, "WAITING_FOR_RESOURCES": JobState.PENDING,
+    "PROVISIONING": JobState.PENDING, "ACTIVE": JobState.RUNNING,
+    "SUSPENDING": JobState.PREEMPTED, "SUSPENDED": JobState.PREEMPTED,  # spot preemption or run duration over
+    "FAILED": JobState.FAILED,
+    "DELETING": JobState.CANCELLED,  # its VM is going away (hpcrl deletes a QR whose segment ended)
+}
+
+# Secrets the VM cannot inherit from the user's shell: passed through the bucket (see module doc).
+SECRET_NAMES = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# Run-dir entries that only the VM writes (copied back from the bucket, never uploaded over it).
+VM_OWNED = {"state.json", "logs", "checkpoints", "metrics.jsonl", ".queue", ".tpu", ".lock", ".checkpointing", "jobs"}
+
+_PROJECT_RE = re.compile(r"^([a-z0-9.-]+:)?[a-z][a-z0-9-]{4,61}[a-z0-9]$")
+_ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+_ACCEL_RE = re.compile(r"^v[0-9]+[a-z]*-[0-9]+$")
+_RUNTIME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# No spaces or quotes: the bucket reaches gcloud argv and (quoted) the startup script.
+_BUCKET_RE = re.compile(r"^gs://[a-z0-9]([a-z0-9._-]{0,220}[a-z0-9])?(/[A-Za-z0-9._/-]*)?$")
+
+
+# ---------------------------------------------------------------- site values
+
+
+def check_site(site: dict) -> None:
+    """Every value the tpu backend needs, with a one-line fix for the first that is wrong."""
+    name = site.get("name")
+    fixes = {"project": "P (or `gcloud config set project P`)", "zone": "Z (or `gcloud config set compute/zone Z`)",
+             "bucket": "gs://YOUR_BUCKET (create it: gcloud storage buckets create gs://NAME --location=REGION)",
+             "accelerator_type": "v5p-8", "runtime_version": "v2-alpha-tpuv5"}
+    for key, pattern in (("project", _PROJECT_RE), ("zone", _ZONE_RE), ("accelerator_type", _ACCEL_RE),
+                         ("runtime_version", _RUNTIME_RE), ("bucket", _BUCKET_RE)):
+        value = site.get(key)
+        if value in (None, ""):
+            raise SiteError(f"site '{name}': {key} is not set; pass --set site.{key}={fixes[key]}")
+        if not isinstance(value, str) or not pattern.match(value):
+            raise SiteError(f"site '{name}': {key} {value!r} is not valid; e.g. --set site.{key}={fixes[key]}")
+    if site.get("provisioning") not in PROVISIONING:
+        raise SiteError(f"site '{name}': provisioning {site.get('provisioning')!r} must be one of {one_of(PROVISIONING)}")
+    retries = site.get("max_retries")
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise SiteError(f"site '{name}': max_retries {retries!r} must be a whole number >= 0, e.g. 5")
+
+
+def complete_site(site: dict) -> dict:
+    """Fill project and zone from the user's gcloud configuration when the site leaves them out
+    (at render/submit time, so the run's frozen spec records the values used), then check all."""
+    for key, prop in (("project", "project"), ("zone", "compute/zone")):
+        if site.get(key) in (None, "") and shutil.which("gcloud"):
+            out = run_command(["gcloud", "config", "get-value", prop], timeout_s=30, check=False)
+            value = out.stdout.strip() if out.returncode == 0 else ""
+            site[key] = value if value and value != "(unset)" else None
+    site["bucket"] = site["bucket"].rstrip("/") if isinstance(site.get("bucket"), str) else site.get("bucket")
+    check_site(site)
+    return site
+
+
+# ---------------------------------------------------------------- names and places
+
+
+def qr_name(run_id: str, n: int) -> str:
+    """The queued-resource (and node) id of segment job n: lowercase letters, digits, '-', at most
+    63 characters; a short hash keeps ids unique when the run id had to be changed to fit."""
+    import hashlib
+
+    base = re.sub(r"[^a-z0-9]+", "-", run_id.lower()).strip("-")
+    suffix = f"-{n}"
+    if base != run_id or len("hpcrl-" + base + suffix) > 63:
+        digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
+        base = f"{base[:63 - len('hpcrl-') - len(suffix) - 7].rstrip('-')}-{digest}"
+    return f"hpcrl-{base}{suffix}"
+
+
+def vm_root() -> str:
+    # Where runs live on the VM (it runs the startup script as root). Tests point it at a
+    # temporary directory: the "VM" is then this machine.
+    return os.environ.get("HPCRL_TPU_VM_ROOT") or "/var/lib/hpcrl"
+
+
+def vm_run_dir(run_id: str) -> str:
+    return f"{vm_root().rstrip('/')}/runs/{run_id}"
+
+
+def run_uri(site: dict, run_id: str) -> str:
+    return f"{site['bucket'].rstrip('/')}/hpcrl-runs/{run_id}/run"
+
+
+def secrets_uri(site: dict, run_id: str) -> str:
+    return f"{site['bucket'].rstrip('/')}/hpcrl-runs/{run_id}/secrets.env"
+
+
+# ---------------------------------------------------------------- argv (pure)
+
+
+def _gcloud(site: dict, *words: str) -> list[str]:
+    track, _ = PROVISIONING.get(site.get("provisioning"), ([], []))
+    return ["gcloud", *track, "compute", "tpus", "queued-resources", *words]
+
+
+def _where(site: dict) -> list[str]:
+    return [f"--project={site['project']}", f"--zone={site['zone']}"]
+
+
+def create_argv(site: dict, qr_id: str, startup_file) -> list[str]:
+    """`queued-resources create` for the site's provisioning mode (best-effort is alpha-only)."""
+    _, flags = PROVISIONING[site["provisioning"]]
+    return [*_gcloud(site, "create", qr_id), f"--node-id={qr_id}", *_where(site),
+            f"--accelerator-type={site['accelerator_type']}", f"--runtime-version={site['runtime_version']}",
+            *flags, f"--metadata-from-file=startup-script={startup_file}", "--quiet"]
+
+
+def describe_argv(site: dict, qr_id: str) -> list[str]:
+    return [*_gcloud(site, "describe", qr_id), *_where(site), "--format=json"]
+
+
+def delete_argv(site: dict, qr_id: str) -> list[str]:
+    # --force deletes the node with it; --async: the VM's shutdown need not hold up hpcrl.
+    return [*_gcloud(site, "delete", qr_id), *_where(site), "--force", "--quiet", "--async"]
+
+
+def list_argv(site: dict) -> list[str]:
+    return [*_gcloud(site, "list"), *_where(site), "--format=json"]
+
+
+# ---------------------------------------------------------------- parsing (pure)
+
+
+@dataclass
+class QrStatus:
+    qr_id: str
+    state: str             # the raw state.state
+    job_state: JobState
+    initiator: str = ""    # state.stateInitiator: USER or SERVICE
+    error: str = ""        # state.failedData.error.message
+
+
+def _status_of(obj: dict) -> QrStatus:
+    if not isinstance(obj, dict):
+        raise BackendError(f"gcloud queued-resources: expected a JSON object, got {type(obj).__name__}")
+    st = obj.get("state") if isinstance(obj.get("state"), dict) else {}
+    raw = str(st.get("state") or "STATE_UNSPECIFIED")
+    failed = st.get("failedData") if isinstance(st.get("failedData"), dict) else {}
+    err = failed.get("error")
+    message = err.get("message", "") if isinstance(err, dict) else str(err or "")
+    return QrStatus(qr_id=str(obj.get("name", "")).rsplit("/", 1)[-1], state=raw,
+                    job_state=STATES.get(raw, JobState.UNKNOWN), initiator=str(st.get("stateInitiator") or ""),
+                    error=message)
+
+
+def _json(text: str, what: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise BackendError(f"gcloud {what}: output is not JSON: {text.strip()[:120]!r}") from None
+
+
+def parse_describe(text: str) -> QrStatus:
+    """`describe --format=json`: one queued resource (unknown extra fields are ignored)."""
+    return _status_of(_json(text, "describe"))
+
+
+def parse_list(text: str) -> list[QrStatus]:
+    data = _json(text, "list")
+    if not isinstance(data, list):
+        raise BackendError(f"gcloud list: expected a JSON list, got {type(data).__name__}")
+    return [_status_of(obj) for obj in data]
+
+
+# gcloud's messages (stderr, or failedData.error) -> what the user must do. First match wins.
+_EXPLAIN = [
+    (r"You do not currently have an active account|does not have any valid credentials|Reauthentication failed|"
+     r"problem refreshing your current auth tokens|gcloud auth login",
+     "gcloud is not authenticated: run `gcloud auth login` (on a VM or in CI: `gcloud auth activate-service-account`)"),
+    (r"required property \[project\] is not currently set|Failed to find attribute \[project\]",
+     "no Google Cloud project: pass --set site.project=P or run `gcloud config set project P`"),
+    (r"quota|RESOURCE_EXHAUSTED",
+     "quota exceeded for {accelerator_type} ({provisioning}) in {zone}: request TPU quota (console: IAM & Admin > "
+     "Quotas), or try --set site.provisioning=spot or another zone with --set site.zone=Z"),
+    (r"accelerator.?type.*(not (available|supported|found|valid)|invalid|unknown)|"
+     r"(invalid|unknown|unsupported).*accelerator.?type|not available in zone",
+     "zone {zone} does not offer {accelerator_type}: list the zones that do with `gcloud compute tpus "
+     "accelerator-types list --zone=Z`, then pass --set site.zone=Z"),
+    (r"API has not been used|SERVICE_DISABLED|tpu\.googleapis\.com.*(disabled|not enabled)",
+     "the Cloud TPU API is off in {project}: run `gcloud services enable tpu.googleapis.com --project={project}`"),
+    (r"PERMISSION_DENIED|permission denied|does not have permission",
+     "your account may not create TPUs in {project}: ask for roles/tpu.admin (and storage access to the bucket)"),
+]
+
+
+def explain(message: str, site: dict) -> str | None:
+    """The one-line fix for a gcloud error text, or None when it is not one we know."""
+    for pattern, fix in _EXPLAIN:
+        if re.search(pattern, message or "", re.I | re.S):
+            return fix.format(**{k: site.get(k) or "?" for k in ("project", "zone", "accelerator_type", "provisioning")})
+    return None
+
+
+def _tail(text: str) -> str:
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    return " ".join(lines[-2:])[:300]
+
+
+# ---------------------------------------------------------------- the VM startup script (pure)
+
+
+def segment_seconds(hours: float) -> int:
+    return max(1, round(float(hours) * 3600))
+
+
+def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
+    """The VM's startup script for segment job `qr_id` (every user value quoted by render.q)."""
+    import jinja2
+
+    from .. import __version__
+    from ..paths import templates_dir
+    from ..render import q
+
+    site = resolved["site"]
+    jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
+    jenv.filters["q"] = q
+    return jenv.get_template("tpu-startup.sh.j2").render(
+        version=__version__, run_id=run_id, site_name=site["name"], job_id=qr_id,
+        run_uri=run_uri(site, run_id), secrets_uri=secrets_uri(site, run_id), run_dir=vm_run_dir(run_id),
+        hpcrl_python=site.get("hpcrl_python") or "python3",
+        segment_s=segment_seconds(resolved["spec"]["budget"]["hours"]),
+        signal_lead_s=int(site["signal_lead_s"]), kill_grace_s=int(site["kill_grace_s"]),
+        delete_command=" ".join(q(a) for a in delete_argv(site, qr_id)),
+    )
+
+
+def dry_run(resolved: dict, run_id: str, job_script: str) -> str:
+    """What `hpcrl render` shows for a TPU site: job.sh, the create argv and the startup script,
+    from the same functions submit uses."""
+    site = resolved["site"]
+    qr_id = qr_name(run_id, 1)
+    startup = f"RUN_DIR/.tpu/{qr_id}.startup.sh"
+    argv = create_argv(site, qr_id, startup)
+    rule = "# " + "=" * 76
+    return "\n".join([
+        job_script.rstrip("\n"), "", rule, "# gcloud argv of the first segment (one argument per line; not a shell string):",
+        *(f"#   {a}" for a in argv), "# as a command line:", f"#   {shlex.join(argv)}", rule,
+        f"# {startup}: the VM's startup script (--metadata-from-file=startup-script=...)", rule,
+        render_startup(resolved, run_id, qr_id).rstrip("\n"), "",
+    ])
+
+
+# ---------------------------------------------------------------- the backend (runs gcloud)
+
+
+class TpuBackend(Backend):
+    name = "tpu"
+    chains_successors = False  # the VM cannot queue its successor: hpcrl/watch.py does
+
+    def gcloud(self, argv: list[str], timeout_s: float = 120, check: bool = True, input_text: str | None = None):
+        """Run gcloud; a failure becomes a one-line BackendError that says how to fix it."""
+        if shutil.which("gcloud") is None:
+            raise BackendError("gcloud is not installed: install the Google Cloud CLI "
+                               "(https://cloud.google.com/sdk/docs/install), then `gcloud auth login`")
+        res = run_command(argv, timeout_s=timeout_s, check=False, input_text=input_text)
+        if check and res.returncode != 0:
+            fix = explain(res.stderr, self.site)
+            verb = " ".join(a for a in argv[1:6] if not a.startswith("-"))
+            raise BackendError(f"gcloud {verb} failed: {fix}" if fix else f"gcloud {verb} failed: {_tail(res.stderr)}")
+        return res
+
+    # -- segments
+
+    def submit(self, script: Path, run_dir: Path, job_name: str, after: str | None = None) -> str:
+        run_dir = Path(run_dir)
+        resolved = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
+        check_site(self.site)
+        tdir = run_dir / ".tpu"
+        tdir.mkdir(exist_ok=True)
+        n = 1 + len(list(tdir.glob("*.json")))  # called inside the run's lock: no race
+        qr_id = qr_name(run_dir.name, n)
+        startup = tdir / f"{qr_id}.startup.sh"
+        atomic_write_text(startup, render_startup(resolved, run_dir.name, qr_id), mode=0o644)
+        self.stage(run_dir)
+        if self.upload_secrets(run_dir.name):
+            (tdir / "secrets-dropped").unlink(missing_ok=True)  # the watcher removes them again at the end
+        argv = create_argv(self.site, qr_id, startup)
+        self.gcloud(argv)
+        atomic_write_json(tdir / f"{qr_id}.json", {"qr_id": qr_id, "n": n, "created": time.time(), "argv": argv,
+                                                   "closed": None, "outcome": None})
+        return qr_id
+
+    def stage(self, run_dir: Path) -> None:
+        """Upload the run's launcher-owned files (spec, job.sh, hpcrl snapshot, trainer files)."""
+        items = sorted(str(p) for p in Path(run_dir).iterdir() if p.name not in VM_OWNED)
+        self.gcloud(["gcloud", "storage", "cp", "--recursive", *items, run_uri(self.site, Path(run_dir).name) + "/"],
+                    timeout_s=600)
+
+    def publish_state(self, run_dir: Path) -> None:
+        """The committed state.json, which the VM waits for before it starts the segment."""
+        self.gcloud(["gcloud", "storage", "cp", str(Path(run_dir) / "state.json"),
+                     run_uri(self.site, Path(run_dir).name) + "/state.json"])
+
+    def upload_secrets(self, run_id: str) -> bool:
+        # Through stdin, so the values touch no file here; only when this shell has them (a
+        # watcher started without them keeps what the submitting shell uploaded).
+        from ..render import q
+
+        lines = [f"export {k}={q(os.environ[k])}" for k in SECRET_NAMES if os.environ.get(k)]
+        if lines:
+            self.gcloud(["gcloud", "storage", "cp", "-", secrets_uri(self.site, run_id)], input_text="\n".join(lines) + "\n")
+        return bool(lines)
+
+    def drop_secrets(self, run_id: str) -> None:
+        self.gcloud(["gcloud", "storage", "rm", secrets_uri(self.site, run_id)], check=False)
+
+    # -- state
+
+    def describe(self, qr_id: str) -> QrStatus | None:
+        """The queued resource's status; None when it no longer exists."""
+        res = self.gcloud(describe_argv(self.site, qr_id), check=False)
+        if res.returncode != 0:
+            if re.search(r"NOT_FOUND|was not found|could not be found", res.stderr):
+                return None
+            self.gcloud(describe_argv(self.site, qr_id))  # raises the explained error
+        return parse_describe(res.stdout)
+
+    def query(self, job_ids: list[str], run_dir: Path | None = None) -> dict[str, JobInfo]:
+        out = {}
+        for job_id in job_ids:
+            st = self.describe(job_id)
+            out[job_id] = (JobInfo(job_id, JobState.UNKNOWN, "no such queued resource") if st is None else
+                           JobInfo(job_id, st.job_state, f"{st.state}: {st.error}" if st.error else st.state))
+        return out
+
+    def delete(self, qr_id: str) -> None:
+        res = self.gcloud(delete_argv(self.site, qr_id), check=False)
+        if res.returncode != 0 and not re.search(r"NOT_FOUND|was not found", res.stderr):
+            self.gcloud(delete_argv(self.site, qr_id))
+
+    def cancel(self, job_ids: list[str], run_dir: Path | None = None) -> None:
+        for job_id in job_ids:
+            self.delete(job_id)
+
+    def current_job_id(self, environ) -> str | None:
+        return environ.get("HPCRL_JOB_ID")
+
+    def end_time(self, job_id: str, run_dir: Path, environ) -> float | None:
+        value = environ.get("HPCRL_JOB_END_TIME")  # set by the startup script from the segment hours
+        return float(value) if value else None
+
+    # -- what the VM copied to the bucket
+
+    def fetch_vm_state(self, run_id: str, qr_id: str) -> tuple[dict | None, bool]:
+        """(the VM's state.json, whether the VM finished the segment and uploaded everything)."""
+        base = f"{run_uri(self.site, run_id)}/jobs/{qr_id}"
+        for name, done in (("final.json", True), ("state.json", False)):
+            res = self.gcloud(["gcloud", "storage", "cat", f"{base}/{name}"], check=False)
+            if res.returncode == 0:
+                try:
+                    return json.loads(res.stdout), done
+                except ValueError:
+                    continue  # a torn upload: the next poll reads it whole
+        return None, False
+
+    def pull_outputs(self, run_dir: Path) -> None:
+        """Logs, metrics and the checkpoint pointer into the local run dir (for status and logs)."""
+        uri = run_uri(self.site, Path(run_dir).name)
+        (Path(run_dir) / "checkpoints").mkdir(exist_ok=True)
+        for argv in (["rsync", "--recursive", f"{uri}/logs", str(Path(run_dir) / "logs")],
+                     ["cp", f"{uri}/metrics.jsonl", str(Path(run_dir) / "metrics.jsonl")],
+                     ["cp", f"{uri}/checkpoints/LATEST", str(Path(run_dir) / "checkpoints" / "LATEST")]):
+            self.gcloud(["gcloud", "storage", *argv], check=False)  # absent until the VM wrote them

@@ -1,0 +1,204 @@
+#!/bin/bash
+# hpcrl segment script for run maxtext-llama3.1-8b-gspo on site tpu-v5p-8.
+# Rendered by hpcrl 0.1.0; every segment of the run executes this same file.
+# What it does: record the segment's start and queue its successor (hpcrl _segment begin),
+# set up the environment, run the trainer in the background under the walltime protocol,
+# forward USR1/TERM to it, wait until it really exits, then record the outcome (_segment end).
+set -uo pipefail
+
+export HPCRL_RUN_ID=maxtext-llama3.1-8b-gspo
+export HPCRL_RUN_DIR=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo
+export HPCRL_CKPT_DIR=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/checkpoints
+export HPCRL_METRICS=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/metrics.jsonl
+hpcrl_py=/usr/bin/python3
+export PYTHONPATH=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/lib${PYTHONPATH:+:$PYTHONPATH}
+export HPCRL_JOB_ID="${HPCRL_JOB_ID:?the TPU startup script sets HPCRL_JOB_ID}"
+
+# Which segment this is, its deadline from the job's real end time, and the queued successor.
+# Exit status 3 means there is nothing to do (run complete, cancelled or out of budget).
+begin_out=$("$hpcrl_py" -m hpcrl.cli _segment begin "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID")
+begin_rc=$?
+if [ "$begin_rc" -eq 3 ]; then
+  echo "hpcrl: nothing left to do for run $HPCRL_RUN_ID; exiting"
+  exit 0
+elif [ "$begin_rc" -ne 0 ]; then
+  echo "hpcrl: segment start failed (exit $begin_rc); not starting the trainer" >&2
+  exit "$begin_rc"
+fi
+read -r HPCRL_SEGMENT HPCRL_DEADLINE <<<"$begin_out"
+export HPCRL_SEGMENT HPCRL_DEADLINE
+echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hostname) deadline $(date -d "@${HPCRL_DEADLINE%.*}" '+%F %T')"
+
+
+# Environment (spec and site; secrets are never written here: they come from the submitting
+# shell's environment)
+export PYTHONUNBUFFERED=1
+
+
+# Site set-up lines (trusted: from the site profile)
+command -v python3.12 >/dev/null || { python3 -m pip install --quiet uv && python3 -m uv python install 3.12 && ln -sf "$(python3 -m uv python find 3.12)" /usr/local/bin/python3.12; }
+
+
+# The venv: built once per distinct requirement set, under a lock so that concurrent segments
+# and runs never build it twice; a build that died leaves no ready marker and is redone.
+venv=/var/lib/hpcrl/venvs/3bb47bc746f4
+mkdir -p "$(dirname "$venv")"
+(
+  flock 9
+  if [ ! -f "$venv/.hpcrl-ready" ]; then
+    echo "hpcrl: building venv $venv"
+    rm -rf "$venv"
+    python3.12 -m venv "$venv" &&
+      "$venv/bin/python" -m pip install --quiet --upgrade pip &&
+      "$venv/bin/python" -m pip install --quiet -r /var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/requirements.txt &&
+      touch "$venv/.hpcrl-ready" || { echo "hpcrl: venv build failed" >&2; exit 1; }
+  fi
+) 9>"$venv.lock" || { "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1; exit 1; }
+source "$venv/bin/activate"
+trainer_py="$venv/bin/python"
+
+
+
+cd "$HPCRL_RUN_DIR"
+
+
+# The trainer runs in the background so that the traps below run while it works.
+trainer_pid=""
+forward() {
+  [ -n "$trainer_pid" ] && kill -s "$1" "$trainer_pid" 2>/dev/null
+}
+trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
+trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
+"$trainer_py" -m maxtext.trainers.post_train.rl.train_rl model_name=llama3.1-8b-Instruct load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 num_batches=3738 &
+trainer_pid=$!
+# `wait` returns early when a trap fires; wait again until the trainer has really exited.
+while :; do
+  wait "$trainer_pid"
+  rc=$?
+  kill -0 "$trainer_pid" 2>/dev/null || break
+done
+echo "hpcrl: trainer exited with code $rc"
+"$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc "$rc"
+exit "$rc"
+
+# ============================================================================
+# gcloud argv of the first segment (one argument per line; not a shell string):
+#   gcloud
+#   compute
+#   tpus
+#   queued-resources
+#   create
+#   hpcrl-maxtext-llama3-1-8b-gspo-310354-1
+#   --node-id=hpcrl-maxtext-llama3-1-8b-gspo-310354-1
+#   --project=hpcrl-demo
+#   --zone=us-east5-a
+#   --accelerator-type=v5p-8
+#   --runtime-version=v2-alpha-tpuv5
+#   --spot
+#   --metadata-from-file=startup-script=RUN_DIR/.tpu/hpcrl-maxtext-llama3-1-8b-gspo-310354-1.startup.sh
+#   --quiet
+# as a command line:
+#   gcloud compute tpus queued-resources create hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --node-id=hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --accelerator-type=v5p-8 --runtime-version=v2-alpha-tpuv5 --spot --metadata-from-file=startup-script=RUN_DIR/.tpu/hpcrl-maxtext-llama3-1-8b-gspo-310354-1.startup.sh --quiet
+# ============================================================================
+# RUN_DIR/.tpu/hpcrl-maxtext-llama3-1-8b-gspo-310354-1.startup.sh: the VM's startup script (--metadata-from-file=startup-script=...)
+# ============================================================================
+#!/bin/bash
+# hpcrl TPU VM startup script: run maxtext-llama3.1-8b-gspo, segment job hpcrl-maxtext-llama3-1-8b-gspo-310354-1, site tpu-v5p-8.
+# Rendered by hpcrl 0.1.0; passed to `queued-resources create` as the startup-script
+# metadata, so the VM runs it as root on every boot. What it does: fetch the run's files from the
+# bucket, wait for the launcher's state that lists this job, run the SAME segment script (job.sh)
+# every backend runs with a deadline (USR1 before it, TERM at it, KILL after the grace), copy
+# logs, state, metrics and checkpoints back to the bucket while it works and when it ends, then
+# delete its own queued resource when the segment ended by itself (an idle TPU VM bills).
+set -uo pipefail
+
+export HPCRL_JOB_ID=hpcrl-maxtext-llama3-1-8b-gspo-310354-1
+run_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-gspo/run
+secrets_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-gspo/secrets.env
+run_dir=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo
+hpcrl_py=/usr/bin/python3
+segment_s=14400
+signal_lead_s=300
+kill_grace_s=30
+# The storage command and the copy period are variables so that tests can map gs:// to a local
+# directory and copy often.
+: "${HPCRL_GS:=gcloud storage}"
+: "${HPCRL_SYNC_S:=60}"
+gs() { $HPCRL_GS "$@"; }  # unquoted on purpose: the command is two words
+
+mkdir -p "$run_dir/logs" "$run_dir/checkpoints"
+log="$run_dir/logs/job-$HPCRL_JOB_ID.log"
+exec >>"$log" 2>&1
+echo "hpcrl: VM $(hostname) starts segment job $HPCRL_JOB_ID"
+
+# Copy what the VM wrote to the bucket: its state goes to jobs/<job>/ (the launcher owns
+# run_uri/state.json), then everything else but hpcrl's snapshot and unfinished checkpoints.
+sync_up() {
+  gs rsync --recursive --exclude='^(state\.json|\.lock|lib/.*|.*\.tmp-.*)$' "$run_dir" "$run_uri" >/dev/null 2>&1 ||
+    echo "hpcrl: copying to $run_uri failed; retrying later"
+  gs cp "$run_dir/state.json" "$run_uri/jobs/$HPCRL_JOB_ID/${1:-state}.json" >/dev/null 2>&1
+}
+give_up() {
+  echo "hpcrl: $1"
+  gs cp "$log" "$run_uri/logs/" >/dev/null 2>&1
+  gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1
+  exit 1
+}
+
+# 1. The run's files: spec, job.sh, hpcrl's snapshot, checkpoints (not old logs or VM states).
+gs rsync --recursive --exclude='^(logs|jobs)/.*$' "$run_uri" "$run_dir" >/dev/null ||
+  give_up "cannot read $run_uri: give the VM's service account read/write access to the bucket"
+
+# 2. The launcher publishes the run's state right after creating this queued resource: wait
+#    until it lists this job, so that budget and history are current (go on after 10 minutes).
+for _ in $(seq 1 120); do
+  gs cp "$run_uri/state.json" "$run_dir/state.json" >/dev/null 2>&1
+  "$hpcrl_py" -c 'import json, sys; st = json.load(open(sys.argv[1]))
+sys.exit(0 if any(s.get("job_id") == sys.argv[2] for s in st["segments"]) else 1)' \
+    "$run_dir/state.json" "$HPCRL_JOB_ID" 2>/dev/null && break
+  sleep 5
+done
+
+# 3. Secrets (WANDB_API_KEY, HF_TOKEN) from the run's secrets object into this environment
+#    only: never into a file on the VM.
+if secrets=$(gs cat "$secrets_uri" 2>/dev/null); then
+  eval "$secrets"
+fi
+unset secrets
+
+# 4. The segment, in its own session so that the walltime can stop all of it.
+export HPCRL_JOB_END_TIME=$(( $(date +%s) + segment_s ))
+( while sleep "$HPCRL_SYNC_S"; do sync_up; done ) &
+syncer=$!
+setsid bash "$run_dir/job.sh" &
+job=$!
+terminated=""
+# SIGTERM: the VM is shutting down (spot preemption with ~30 s notice, or deletion).
+trap 'terminated=1; echo "hpcrl: TERM (preemption or deletion): stopping the segment"; kill -TERM -- "-$job" 2>/dev/null' TERM
+(
+  until_t() { local s=$(( $1 - $(date +%s) )); [ "$s" -gt 0 ] && sleep "$s"; }
+  until_t $(( HPCRL_JOB_END_TIME - signal_lead_s )); kill -USR1 "$job" 2>/dev/null
+  until_t "$HPCRL_JOB_END_TIME"; kill -TERM -- "-$job" 2>/dev/null
+  until_t $(( HPCRL_JOB_END_TIME + kill_grace_s )); kill -KILL -- "-$job" 2>/dev/null
+) &
+timer=$!
+# `wait` returns early when a trap fires; wait again until job.sh has really exited.
+while :; do
+  wait "$job"
+  rc=$?
+  kill -0 "$job" 2>/dev/null || break
+done
+for p in "$timer" "$syncer"; do
+  pkill -P "$p" 2>/dev/null
+  kill "$p" 2>/dev/null
+done
+echo "hpcrl: segment script exited with code $rc"
+
+# 5. Everything to the bucket; final.json, written last, tells the watcher the copy is complete.
+sync_up final
+if [ -z "$terminated" ]; then
+  echo "hpcrl: segment over; deleting queued resource $HPCRL_JOB_ID"
+  gs cp "$log" "$run_uri/logs/" >/dev/null 2>&1
+  gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1 || echo "hpcrl: could not delete the queued resource; the watcher will"
+fi
+exit "$rc"

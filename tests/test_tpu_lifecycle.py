@@ -1,0 +1,260 @@
+"""The TPU state machine end to end, driven by tests/fake_gcloud/gcloud (a TEST DOUBLE put first on
+PATH; no Google Cloud call). When a queued resource turns ACTIVE the fake runs the rendered VM
+startup script for real on this machine (gs:// mapped to a local dir) with the smoke trainer:
+through a deadline, a preemption (SIGTERM + SUSPENDED) and a resume from the bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import hpcrl, metrics_steps, run_state
+
+FAKE = Path(__file__).resolve().parent / "fake_gcloud"
+QUOTA = "Quota limit 'TPUV5PPreemptiblePodPerProjectPerZone' exceeded. Limit: 0 in zone us-east5-a"
+
+
+class Cloud:
+    """The fake's directories and what it recorded."""
+
+    def __init__(self, root: Path):
+        self.dir, self.gcs, self.vm = root / "fake", root / "gcs", root / "vm"
+        for d in (self.dir, self.gcs, self.vm):
+            d.mkdir(parents=True)
+
+    def scenario(self, creates: list[dict], **extra) -> None:
+        data = {"config": {}, "vm_env": {"HPCRL_SYNC_S": "0.3"}, "creates": creates, **extra}
+        (self.dir / "scenario.json").write_text(json.dumps(data))
+
+    def calls(self, *words: str) -> list[list[str]]:
+        """Every recorded gcloud argv (with argv[0]) that contains all `words`."""
+        path = self.dir / "calls.jsonl"
+        argvs = [["gcloud", *json.loads(ln)["argv"]] for ln in path.read_text().splitlines()] if path.exists() else []
+        return [a for a in argvs if all(w in a for w in words)]
+
+    def qrs(self) -> dict:
+        path = self.dir / "qrs.json"
+        return json.loads(path.read_text())["qrs"] if path.exists() else {}
+
+    def kill_vms(self) -> None:
+        for qr in self.qrs().values():
+            if qr.get("vm_pid"):
+                try:
+                    os.killpg(qr["vm_pid"], signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+@pytest.fixture
+def cloud(home, tmp_path, monkeypatch):
+    c = Cloud(tmp_path)
+    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(c.dir))
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(c.gcs))
+    monkeypatch.setenv("HPCRL_TPU_VM_ROOT", str(c.vm))
+    # the fake first, then this interpreter (the fake's `#!/usr/bin/env python3`)
+    monkeypatch.setenv("PATH", f"{FAKE}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for k in ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    # Short leads so that a segment takes seconds; the launcher on the "VM" is this interpreter.
+    (sites / "tputest.yaml").write_text(
+        "extends: tpu-v5p-8\nproject: fake-proj\nzone: us-east5-a\nbucket: gs://fake-bucket\n"
+        f"hpcrl_python: {json.dumps(sys.executable)}\nsetup: []\nvenv_root: null\n"
+        "signal_lead_s: 1\nexit_margin_s: 0.5\nkill_grace_s: 2\nmax_retries: 2\n")
+    yield c
+    c.kill_vms()
+
+
+def submit(name: str, *extra: str, env=None):
+    return hpcrl("submit", "--site", "tputest", "--trainer", "smoke", "--name", name, *extra, env=env)
+
+
+def watch_until_done(name: str, timeout: float = 90) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "watch", name, "--interval", "0.3"],
+                          capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def started(state: dict) -> list[dict]:
+    return [s for s in state["segments"] if s.get("started")]
+
+
+def run_dir(name: str) -> Path:
+    return Path(json.loads(hpcrl("status", name, "--json").stdout)[0]["run_dir"])
+
+
+def assert_resumed_exactly(state: dict, total: int, rdir: Path) -> None:
+    assert [m["step"] for m in metrics_steps(rdir)] == list(range(1, total + 1)), "every step ran exactly once"
+    ran = started(state)
+    for prev, nxt in zip(ran, ran[1:]):
+        assert nxt["start_step"] == prev["end_step"] > 0, f"segment {nxt['k']} resumed where {prev['k']} stopped"
+
+
+def test_accepted_active_deadline_resubmit_resume_done(cloud):
+    cloud.scenario([{"states": ["ACCEPTED", "PROVISIONING", "ACTIVE"]}])
+    submit("dl", "--hours", "0.0015", "--set", "args.steps=30", "--set", "args.step_time_s=0.1",
+           "--set", "args.save_every=1000")
+    first = run_state("dl")
+    assert [s["state"] for s in first["segments"]] == ["QUEUED"] and first["segments"][0]["job_id"] == "hpcrl-dl-1"
+    rc, out = watch_until_done("dl")
+    assert rc == 0, out
+    assert "PENDING" in out and "queued resource hpcrl-dl-1: ACCEPTED" in out and "COMPLETED" in out
+    state, rdir = run_state("dl"), run_dir("dl")
+    assert state["state"] == "COMPLETED"
+    ran = started(state)
+    assert len(ran) >= 2, "the 5 s segment deadline cut the 3 s of training"
+    assert all(s["state"] == "CONTINUE" and s["rc"] == 85 for s in ran[:-1]) and ran[-1]["state"] == "COMPLETE"
+    assert_resumed_exactly(state, 30, rdir)
+    # one queued resource per segment, each created with the rendered startup script, each deleted
+    creates = cloud.calls("create")
+    assert [a[5] for a in creates] == [s["job_id"] for s in state["segments"]]
+    assert all("--spot" in a and f"--metadata-from-file=startup-script={rdir}/.tpu/{a[5]}.startup.sh" in a
+               for a in creates)
+    for qr in cloud.qrs().values():
+        assert qr.get("deleted"), f"{qr['id']} was not deleted"
+    assert any(a[-3:] == ["--force", "--quiet", "--async"] for a in cloud.calls("delete"))
+    # the later VM (fresh disk) resumed from the checkpoint it fetched from the bucket
+    second_log = (rdir / "logs" / f"job-{ran[1]['job_id']}.log").read_text()
+    assert f"smoke: segment 2 starts at step {ran[0]['end_step']} of 30" in second_log
+    assert "smoke: done at step 30" in hpcrl("logs", "dl").stdout
+
+
+def test_preempted_vm_is_deleted_recreated_and_resumes_from_the_bucket(cloud):
+    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"], "preempt_after_s": 3.0},
+                    {"states": ["ACCEPTED", "ACTIVE"]}])
+    submit("pre", "--hours", "0.05", "--set", "args.steps=45", "--set", "args.step_time_s=0.1",
+           "--set", "args.save_every=5")
+    rc, out = watch_until_done("pre")
+    assert rc == 0, out
+    state, rdir = run_state("pre"), run_dir("pre")
+    assert state["state"] == "COMPLETED"
+    first, second = started(state)
+    assert first["job_id"] == "hpcrl-pre-1" and second["job_id"] == "hpcrl-pre-2"
+    assert 0 < first["end_step"] < 45  # the SIGTERM of the preemption made the trainer save where it was
+    assert_resumed_exactly(state, 45, rdir)
+    assert "TERM (preemption or deletion)" in (rdir / "logs" / "job-hpcrl-pre-1.log").read_text()
+    record = json.loads((rdir / ".tpu" / "hpcrl-pre-1.json").read_text())
+    assert record["outcome"] == "preempted"
+    assert cloud.calls("delete", "hpcrl-pre-1"), "the watcher deleted the SUSPENDED queued resource"
+    assert any("re-creating it after" in ln or "RESUBMITTED" in ln for ln in out.splitlines())
+
+
+def test_failed_queued_resource_fails_the_run_with_its_error(cloud):
+    cloud.scenario([{"states": ["ACCEPTED", "FAILED"], "failed_error": {"code": 8, "message": QUOTA}}])
+    submit("q", "--hours", "0.05")
+    rc, out = watch_until_done("q")
+    assert rc == 1, out
+    state = run_state("q")
+    assert state["state"] == "FAILED"
+    assert QUOTA in state["reason"] and "quota exceeded for v5p-8 (spot) in us-east5-a" in state["reason"]
+    assert state["segments"][0]["state"] == "CANCELLED"  # never started
+    assert cloud.calls("delete", "hpcrl-q-1") and not list(cloud.dir.glob("vm-*.log"))
+    assert len(cloud.calls("create")) == 1, "a FAILED queued resource is not re-created"
+
+
+def test_cancel_during_provisioning_deletes_the_queued_resource(cloud):
+    cloud.scenario([{"states": ["ACCEPTED", "WAITING_FOR_RESOURCES"]}])
+    submit("c", "--hours", "0.05")
+    watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "c", "--interval", "0.3"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(3):
+            status = json.loads(hpcrl("status", "c", "--json").stdout)[0]
+        assert status["state"] == "PENDING" and status["reason"] == "queued resource hpcrl-c-1: WAITING_FOR_RESOURCES"
+        assert "cancelled run c" in hpcrl("cancel", "c").stdout
+        out, _ = watcher.communicate(timeout=30)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 1, out
+    delete = cloud.calls("delete", "hpcrl-c-1")[0]
+    assert delete[:6] == ["gcloud", "compute", "tpus", "queued-resources", "delete", "hpcrl-c-1"]
+    assert delete[-3:] == ["--force", "--quiet", "--async"]
+    state = run_state("c")
+    assert state["state"] == "CANCELLED" and [s["state"] for s in state["segments"]] == ["CANCELLED"]
+    assert not list(cloud.dir.glob("vm-*.log")), "no VM ever booted"
+    assert "No such" not in out and "Traceback" not in out
+
+
+def test_quota_error_at_create_is_one_line_and_leaves_no_run(cloud):
+    cloud.scenario([{"create_error": {"rc": 1, "stderr": "ERROR: (gcloud.compute.tpus.queued-resources.create) "
+                                                         f"RESOURCE_EXHAUSTED: {QUOTA}"}}])
+    r = hpcrl("submit", "--site", "tputest", "--trainer", "smoke", "--name", "qq", check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "quota exceeded for v5p-8 (spot) in us-east5-a" in r.stderr and "--set site.zone=Z" in r.stderr
+    assert "qq" not in hpcrl("status").stdout
+
+
+def test_secrets_reach_the_vm_through_the_bucket_only(cloud, home):
+    cloud.scenario([{"states": ["ACTIVE"]}])
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "tpusec.yaml").write_text("extends: tputest\nsetup: ['echo \"hf token length ${#HF_TOKEN}\"']\n")
+    secret = "hf_sekrit_tpu_5c1d"
+    hpcrl("submit", "--site", "tpusec", "--trainer", "smoke", "--name", "sec", "--hours", "0.05",
+          "--set", "args.steps=3", "--set", "args.step_time_s=0.05", env={"HF_TOKEN": secret})
+    secrets_obj = cloud.gcs / "fake-bucket" / "hpcrl-runs" / "sec" / "secrets.env"
+    assert secrets_obj.read_text() == f"export HF_TOKEN={secret}\n"
+    rc, out = watch_until_done("sec")  # no HF_TOKEN in the watcher's env, and the fake strips it from the VM's
+    assert rc == 0, out
+    rdir = run_dir("sec")
+    assert f"hf token length {len(secret)}" in (rdir / "logs" / "job-hpcrl-sec-1.log").read_text()
+    assert not secrets_obj.exists(), "a finished run's secrets leave the bucket"
+    for root in (rdir, home, cloud.vm, cloud.gcs, cloud.dir):
+        for path in Path(root).rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), f"secret found in {path}"
+
+
+def test_logs_follow_reads_the_bucket_copy_with_hostile_vm_path_and_odd_run_name(cloud, monkeypatch):
+    # every path on the VM goes through the one quoting function; nothing injected runs (conftest checks)
+    monkeypatch.setenv("HPCRL_TPU_VM_ROOT", str(cloud.vm / "vm root $(touch /tmp/PWNED-hpcrl) 'q'"))
+    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"]}])
+    submit("Odd_Run.v2", "--hours", "0.0015", "--set", "args.steps=25", "--set", "args.step_time_s=0.1",
+           "--set", "args.save_every=1000")
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "logs", "Odd_Run.v2", "-f", "--interval", "0.3"],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "smoke: segment 1 starts at step 0 of 25" in out and "smoke: segment 2 starts at step" in out
+    assert out.rstrip().endswith("hpcrl: segment over; deleting queued resource " + run_state("Odd_Run.v2")
+                                 ["segments"][-1]["job_id"])
+    state = run_state("Odd_Run.v2")
+    assert state["state"] == "COMPLETED"
+    job = state["segments"][0]["job_id"]
+    assert job.startswith("hpcrl-odd-run-v2-") and job.endswith("-1") and len(job) <= 63
+    assert (cloud.vm / "vm root $(touch /tmp/PWNED-hpcrl) 'q'" / "runs" / "Odd_Run.v2" / "metrics.jsonl").exists()
+
+
+def test_cancel_while_running_then_resume_continues_from_the_bucket(cloud):
+    cloud.scenario([{"states": ["ACTIVE"]}])
+    out = submit("cr", "--hours", "0.05", "--set", "args.steps=40", "--set", "args.step_time_s=0.1",
+                 "--set", "args.save_every=5").stdout
+    assert "keep `hpcrl watch cr` running" in out
+    watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "cr", "--interval", "0.3"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(100):
+            if (json.loads(hpcrl("status", "cr", "--json").stdout)[0]["checkpoint_step"] or 0) >= 10:
+                break
+        hpcrl("cancel", "cr")
+        watcher.communicate(timeout=30)
+    finally:
+        watcher.kill()
+    state = run_state("cr")
+    assert state["state"] == "CANCELLED" and state["segments"][0]["state"] in ("CONTINUE", "LOST")
+    assert cloud.calls("delete", "hpcrl-cr-1")
+    hpcrl("resume", "cr")
+    once = hpcrl("watch", "cr", "--once").stdout  # one poll, one line
+    assert once.count("\n") == 1 and "job hpcrl-cr-2" in once
+    rc, log = watch_until_done("cr")
+    assert rc == 0, log
+    state = run_state("cr")
+    first, second = started(state)
+    assert state["state"] == "COMPLETED" and second["job_id"] == "hpcrl-cr-2"
+    assert second["start_step"] >= 10, "the new VM resumed from the checkpoint in the bucket"
+    assert sorted({m["step"] for m in metrics_steps(run_dir("cr"))}) == list(range(1, 41))
