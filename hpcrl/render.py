@@ -196,6 +196,7 @@ def render_script(resolved: dict, paths: RunPaths) -> str:
         modules=site.get("modules", []), setup=site.get("setup", []), venv=venv, python=site.get("python") or "python3",
         requirements_file=str(paths.run_dir / "requirements.txt"), env=env,
         bootstrap=trainer.bootstrap(ctx), command=command_line(trainer.command(ctx)),
+        forward_usr1=trainer.obeys_protocol,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,19 @@ def test_checkpoint_step_ignores_unfinished_orbax_dirs(tmp_path):
     for name in ("0", "50", "100.orbax-checkpoint-tmp-1712", "tmp"):
         (tmp_path / name).mkdir()
     assert MaxTextTrainer().checkpoint_step(tmp_path.parent, tmp_path) == 50
-    assert maxtext_checkpoint_step("gs://bucket/run/checkpoints") is None
+
+
+def test_checkpoint_step_lists_gs_checkpoints_with_gcloud(tmp_path, monkeypatch):
+    # gs:// through the fake gcloud (a test double mapping gs:// to a local dir), as on the TPU VM
+    fake = Path(__file__).parent / "fake_gcloud"
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(tmp_path / "gcs"))
+    root = tmp_path / "gcs" / "bucket" / "run" / "checkpoints"
+    assert maxtext_checkpoint_step("gs://bucket/run/checkpoints") is None  # nothing there yet
+    for name in ("0", "50", "100.orbax-checkpoint-tmp-1712"):
+        (root / name).mkdir(parents=True)
+    assert maxtext_checkpoint_step("gs://bucket/run/checkpoints") == 50
 
 
 def test_test_data_is_the_wheels_yaml():

@@ -122,13 +122,33 @@ def checkpoint_period(a: dict) -> int:
 
 def maxtext_checkpoint_step(ckpt_dir) -> int | None:
     """Newest <step>/ directory. Orbax writes <step>.orbax-checkpoint-tmp-*/ and renames it when
-    complete, so an all-digit name is a finished save. gs:// paths cannot be listed here: None."""
+    complete, so an all-digit name is a finished save."""
     if str(ckpt_dir).startswith("gs://"):
-        return None
+        return _gs_checkpoint_step(str(ckpt_dir))
     try:
         steps = [int(p.name) for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name.isdigit()]
     except OSError:
         return None
+    return max(steps) if steps else None
+
+
+def _gs_checkpoint_step(url: str) -> int | None:
+    """Newest step directory under a gs:// checkpoint root, listed with `gcloud storage ls`.
+
+    The segment's end hook runs on the TPU VM, where gcloud is installed and authorised; without
+    this, every segment would look like no progress and the run would stop as a crash loop.
+    HPCRL_GS overrides the command (as in the TPU startup script).
+    """
+    import os
+    import shlex
+    import subprocess
+
+    argv = shlex.split(os.environ.get("HPCRL_GS", "gcloud storage")) + ["ls", url.rstrip("/") + "/"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    steps = [int(m.group(1)) for m in re.finditer(r"/(\d+)/\s*$", out, re.M)]
     return max(steps) if steps else None
 
 
