@@ -1,0 +1,107 @@
+"""Rule rewards: TinyZero's Countdown semantics evaluated safely, verl's GSM8K extraction."""
+
+import time
+
+import pytest
+
+from hpcrl.rl import rewards
+from hpcrl.rl.rewards import compute_score, countdown_score, extract_gsm8k_answer, gsm8k_score, safe_eval_equation
+
+GT = {"target": 24, "numbers": [2, 3, 4]}
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("<answer> 2 * 3 * 4 </answer>", 1.0),
+    ("<answer>(4 - 2) * 3 * 4</answer>", 0.1),         # 4 used twice
+    ("<answer> 4 * 3 * 2 </answer>", 1.0),             # any order
+    ("<answer> 2 + 3 + 4 </answer>", 0.1),             # valid, wrong value
+    ("<answer> 2 * 3 </answer>", 0.1),                 # a number unused
+    ("no answer tags at all 2*3*4", 0.0),
+    ("<answer> 1 </answer> then <answer> 2*3*4 </answer>", 1.0),  # the last answer counts
+    ("<answer> 2*3*4 </answer> then <answer> 2+3+4 </answer>", 0.1),
+    ("<answer>\n2*3*4\n</answer>", 0.0),               # TinyZero matches within one line
+    ("<answer> 24 / (4 / (2 * 3)) </answer>", 0.1),    # 24 is not a given number
+    ("<answer> 4 / (2 - 2) * 3 </answer>", 0.1),       # numbers wrong anyway
+    ("Assistant: <answer> 2*3*4 </answer>", 1.0),
+])
+def test_countdown_table(response, expected):
+    assert countdown_score(response, GT) == pytest.approx(expected)
+
+
+def test_countdown_division_exactness():
+    assert countdown_score("<answer> 6 / (1 - 3 / 4) </answer>", {"target": 24, "numbers": [1, 3, 4, 6]}) == 1.0
+    assert countdown_score("<answer> 3 / (2 - 2) </answer>", {"target": 1, "numbers": [2, 2, 3]}) == 0.1
+
+
+@pytest.mark.parametrize("payload", [
+    "__import__('os').system('touch /tmp/hpcrl-pwned')",
+    "2**3**4**5**6**7**8",
+    "9**9**9**9",
+    "(lambda: 2)()",
+    "[2, 3, 4]",
+    "2 if 3 else 4",
+    "().__class__.__bases__[0]",
+    "open('/etc/passwd')",
+    "2; 3; 4",
+    "9" * 400,
+    "(" * 150 + "2" + ")" * 150,
+    "99999999 * 99999999 * 99999999 * 99999999 * 99999999",
+])
+def test_hostile_equations_execute_nothing_and_score_at_most_format(payload, tmp_path):
+    t0 = time.monotonic()
+    score = countdown_score(f"<answer>{payload}</answer>", {"target": 5, "numbers": [2, 3]})
+    assert score <= rewards.COUNTDOWN_FORMAT_SCORE
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(ValueError):
+        safe_eval_equation(payload)
+
+
+def test_safe_eval_values():
+    assert safe_eval_equation("(1 + 2) / 3") == 1.0
+    assert safe_eval_equation("-3 + 10") == 7.0
+    assert safe_eval_equation("7 - 2 * 3") == 1.0
+    with pytest.raises(ValueError):
+        safe_eval_equation("1 / 0")
+
+
+# verl's gsm8k extraction (verl/utils/reward_score/gsm8k.py), case by case
+@pytest.mark.parametrize("text, strict, flexible", [
+    ("so the answer is #### 72", "72", "72"),
+    ("#### 1,234", "1234", "1,234"),                       # strict strips commas, flexible does not
+    ("#### -5", "-5", "-5"),
+    ("#### 3.50", "3.50", "3.50"),
+    ("#### 10 and later #### 12", "12", "12"),              # the last match
+    ("the answer is 42.", None, "42."),
+    ("####72", None, "72"),                                # strict needs the space
+    ("no numbers", None, None),
+    ("x" * 400 + "#### 7", "7", "7"),
+    ("#### 9 " + "y" * 400, None, None),                    # outside the 300-char tail
+    ("a . b", None, None),
+    ("$#### 5$", "5", "5"),
+])
+def test_gsm8k_extraction_matches_verl(text, strict, flexible):
+    assert extract_gsm8k_answer(text, "strict") == strict
+    assert extract_gsm8k_answer(text, "flexible") == flexible
+
+
+def test_gsm8k_score_and_dispatch():
+    assert gsm8k_score("#### 1,234", "1234") == 1.0
+    assert gsm8k_score("#### 1235", "1234") == 0.0
+    assert compute_score("openai/gsm8k", "ok #### 18", "18") == 1.0
+    assert compute_score("countdown", "<answer>2*3*4</answer>", GT) == 1.0
+    with pytest.raises(NotImplementedError):
+        compute_score("unknown_source", "x", "y")
+
+
+def test_user_reward_from_file_and_module(tmp_path):
+    f = tmp_path / "myreward.py"
+    f.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return float(len(solution_str))\n"
+                 "def other(ds, s, gt, extra_info=None):\n    return -1.0\n")
+    assert rewards.load_reward(str(f))("x", "abc", None) == 3.0
+    assert rewards.load_reward(f"{f}:other")("x", "abc", None) == -1.0
+    assert rewards.load_reward("hpcrl.rl.rewards:compute_score") is compute_score
+    with pytest.raises(ValueError):
+        rewards.load_reward(f"{f}:missing")
+    with pytest.raises(ValueError):
+        rewards.load_reward(str(tmp_path / "absent.py"))
