@@ -211,16 +211,17 @@ def test_secrets_reach_the_vm_through_the_bucket_only(cloud, home):
 
 
 def test_logs_follow_reads_the_bucket_copy_with_hostile_vm_path_and_odd_run_name(cloud, monkeypatch):
-    # every path on the VM goes through the one quoting function; nothing injected runs (conftest checks)
+    # every path on the VM goes through the one quoting function; nothing injected runs (conftest checks).
+    # 60 steps of 0.1 s cannot fit one 5.4 s segment, however fast the machine: the log must span two.
     monkeypatch.setenv("HPCRL_TPU_VM_ROOT", str(cloud.vm / "vm root $(touch /tmp/PWNED-hpcrl) 'q'"))
     cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"]}])
-    submit("Odd_Run.v2", "--hours", "0.0015", "--set", "args.steps=25", "--set", "args.step_time_s=0.1",
+    submit("Odd_Run.v2", "--hours", "0.0015", "--set", "args.steps=60", "--set", "args.step_time_s=0.1",
            "--set", "args.save_every=1000")
     proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "logs", "Odd_Run.v2", "-f", "--interval", "0.3"],
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "smoke: segment 1 starts at step 0 of 25" in out and "smoke: segment 2 starts at step" in out
+    assert "smoke: segment 1 starts at step 0 of 60" in out and "smoke: segment 2 starts at step" in out
     assert out.rstrip().endswith("hpcrl: segment over; deleting queued resource " + run_state("Odd_Run.v2")
                                  ["segments"][-1]["job_id"])
     state = run_state("Odd_Run.v2")

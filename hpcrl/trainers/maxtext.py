@@ -140,10 +140,10 @@ def _gs_checkpoint_step(url: str) -> int | None:
     HPCRL_GS overrides the command (as in the TPU startup script).
     """
     import os
-    import shlex
     import subprocess
 
-    argv = shlex.split(os.environ.get("HPCRL_GS", "gcloud storage")) + ["ls", url.rstrip("/") + "/"]
+    # HPCRL_GS is a command of plain words ("gcloud storage"), split as the startup script does.
+    argv = os.environ.get("HPCRL_GS", "gcloud storage").split() + ["ls", url.rstrip("/") + "/"]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL).stdout
     except (OSError, subprocess.TimeoutExpired):
