@@ -263,14 +263,17 @@ def new_checkpoint_dir(ckpt_dir) -> Path:
 
 def publish_checkpoint(ckpt_dir, tmp_dir, step: int, keep_last: int = 3, extra: dict | None = None) -> Path:
     """Seal a fully written temporary checkpoint: manifest, fsync, rename, pointer, prune."""
-    import shutil
+    import tempfile
 
     ckpt_dir = Path(ckpt_dir)
     write_manifest(tmp_dir, {"step": step, "time": time.time(), **(extra or {})})
     fsync_dir(tmp_dir)
     final = ckpt_dir / checkpoint_name(step)
-    if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
+    if final.exists():
+        # A re-save of the same step (e.g. after a resume): move the old one aside first, so a
+        # crash in between never leaves LATEST naming a missing directory for long (the old copy
+        # is a .tmp-* that the next prune removes).
+        os.replace(final, Path(tempfile.mkdtemp(prefix=".tmp-old-", dir=ckpt_dir)) / "old")
     os.replace(tmp_dir, final)
     fsync_dir(ckpt_dir)
     atomic_write_text(ckpt_dir / POINTER_FILE, final.name + "\n")

@@ -24,7 +24,7 @@ def render_recipe(tmp_path: Path, recipe: str, *args: str) -> str:
 
 
 def verl_command(text: str) -> str:
-    return next(ln for ln in text.splitlines() if "/verl/launch.py" in ln)
+    return next(ln.strip() for ln in text.splitlines() if "/verl/launch.py" in ln)
 
 
 @pytest.mark.parametrize("recipe", VERL_RECIPES)
@@ -33,7 +33,7 @@ def test_verl_recipe_renders_on_perlmutter(tmp_path, recipe):
     bash_n(text)
     assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=4" in text
     cmd = verl_command(text)
-    assert cmd.startswith('"$trainer_py" ') and cmd.endswith(" &")
+    assert cmd.startswith('"$trainer_py" ')  # run in the foreground of the status-recording subshell
     for override in ("trainer.resume_mode=auto", "trainer.nnodes=1", "trainer.n_gpus_per_node=4",
                      f"trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/{recipe}/checkpoints",
                      "ray_kwargs.ray_init.num_cpus=128"):

@@ -94,3 +94,19 @@ def test_account_from_env_var():
     text = hpcrl("render", "--site", "perlmutter", "--trainer", "smoke", "--name", "a", PY,
                  env={**FIXED, "HPCRL_ACCOUNT": "m999_g"}).stdout
     assert "#SBATCH --account=m999_g" in text
+
+
+def test_trainer_exit_code_survives_usr1_racing_its_exit(tmp_path):
+    # The "trainer" signals the batch shell and exits at once, so the shell's `wait` is
+    # interrupted as the child exits (bash 5.2 then loses the child's status): the script must
+    # still report the trainer's own 85. The rendered lines are run as they are, with the trainer
+    # command swapped for that stand-in.
+    text = render("--site", "local", "--trainer", "smoke", "--name", "race")
+    start, end = text.index('rc_file="$HPCRL_RUN_DIR'), text.index('echo "hpcrl: trainer exited')
+    command = next(ln.strip() for ln in text[start:end].splitlines() if "hpcrl.trainers.smoke" in ln)
+    block = text[start:end].replace(command, "sh -c 'kill -USR1 \"$1\"; exit 85' _ $$")
+    script = ("for i in 1 2 3 4 5 6 7 8; do\n" + block + "  echo rc=$rc\ndone\n")
+    env = {"HPCRL_RUN_DIR": str(tmp_path), "HPCRL_JOB_ID": "7", "PATH": os.environ["PATH"]}
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env).stdout
+    assert out.count("rc=85") == 8, out
+    assert not list(tmp_path.glob(".trainer-rc-*")), "the status file is removed"

@@ -39,21 +39,30 @@ trainer_py="$hpcrl_py"
 cd "$HPCRL_RUN_DIR"
 
 
-# The trainer runs in the background so that the traps below run while it works.
-trainer_pid=""
+# The trainer runs in the background so that the traps below run while it works. A small
+# subshell runs it in its foreground and writes its exit status to a file: bash (5.2) can lose a
+# child's status when a trap interrupts `wait` just as the child exits, and the status decides
+# between "continue" and "failed". The subshell survives the signals meant for the trainer
+# (its no-op traps are reset to defaults in the trainer by exec).
+rc_file="$HPCRL_RUN_DIR/.trainer-rc-$HPCRL_JOB_ID"
+rm -f "$rc_file"
+(
+  trap : USR1 TERM INT
+  "$trainer_py" -m hpcrl.trainers.smoke --config /home/user/.local/share/hpcrl/runs/smoke-local/smoke.json
+  echo "$?" > "$rc_file"
+) &
+runner=$!
 forward() {
-  [ -n "$trainer_pid" ] && kill -s "$1" "$trainer_pid" 2>/dev/null
+  pkill "-$1" -P "$runner" 2>/dev/null
 }
 trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
 trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
-"$trainer_py" -m hpcrl.trainers.smoke --config /home/user/.local/share/hpcrl/runs/smoke-local/smoke.json &
-trainer_pid=$!
-# `wait` returns early when a trap fires; wait again until the trainer has really exited.
-while :; do
-  wait "$trainer_pid"
-  rc=$?
-  kill -0 "$trainer_pid" 2>/dev/null || break
+# `wait` returns early when a trap fires: wait again until the runner has really exited.
+while kill -0 "$runner" 2>/dev/null; do
+  wait "$runner"
 done
+rc=$(cat "$rc_file" 2>/dev/null) || rc=1
+rm -f "$rc_file"
 echo "hpcrl: trainer exited with code $rc"
 "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc "$rc"
 exit "$rc"

@@ -62,23 +62,32 @@ trainer_py="$venv/bin/python"
 cd "$HPCRL_RUN_DIR"
 
 
-# The trainer runs in the background so that the traps below run while it works.
-trainer_pid=""
+# The trainer runs in the background so that the traps below run while it works. A small
+# subshell runs it in its foreground and writes its exit status to a file: bash (5.2) can lose a
+# child's status when a trap interrupts `wait` just as the child exits, and the status decides
+# between "continue" and "failed". The subshell survives the signals meant for the trainer
+# (its no-op traps are reset to defaults in the trainer by exec).
+rc_file="$HPCRL_RUN_DIR/.trainer-rc-$HPCRL_JOB_ID"
+rm -f "$rc_file"
+(
+  trap : USR1 TERM INT
+  "$trainer_py" -m maxtext.trainers.post_train.rl.train_rl model_name=llama3.1-8b-Instruct load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items run_name=maxtext-llama3.1-8b-grpo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=grpo enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 num_batches=3738
+  echo "$?" > "$rc_file"
+) &
+runner=$!
 forward() {
-  [ -n "$trainer_pid" ] && kill -s "$1" "$trainer_pid" 2>/dev/null
+  pkill "-$1" -P "$runner" 2>/dev/null
 }
 # This trainer has no checkpoint-on-signal (USR1 would simply kill it): it keeps training
 # until the limit, and the next segment resumes from its last periodic checkpoint.
 trap 'echo "hpcrl: USR1: walltime near; the trainer saves only periodically, so it runs on"' USR1
 trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
-"$trainer_py" -m maxtext.trainers.post_train.rl.train_rl model_name=llama3.1-8b-Instruct load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items run_name=maxtext-llama3.1-8b-grpo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=grpo enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 num_batches=3738 &
-trainer_pid=$!
-# `wait` returns early when a trap fires; wait again until the trainer has really exited.
-while :; do
-  wait "$trainer_pid"
-  rc=$?
-  kill -0 "$trainer_pid" 2>/dev/null || break
+# `wait` returns early when a trap fires: wait again until the runner has really exited.
+while kill -0 "$runner" 2>/dev/null; do
+  wait "$runner"
 done
+rc=$(cat "$rc_file" 2>/dev/null) || rc=1
+rm -f "$rc_file"
 echo "hpcrl: trainer exited with code $rc"
 "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc "$rc"
 exit "$rc"
@@ -184,12 +193,13 @@ trap 'terminated=1; echo "hpcrl: TERM (preemption or deletion): stopping the seg
   until_t $(( HPCRL_JOB_END_TIME + kill_grace_s )); kill -KILL -- "-$job" 2>/dev/null
 ) &
 timer=$!
-# `wait` returns early when a trap fires; wait again until job.sh has really exited.
-while :; do
+# `wait` returns early when a trap fires; wait again until job.sh has really exited, then once
+# more for its own status (bash keeps a reaped child's status).
+while kill -0 "$job" 2>/dev/null; do
   wait "$job"
-  rc=$?
-  kill -0 "$job" 2>/dev/null || break
 done
+wait "$job"
+rc=$?
 for p in "$timer" "$syncer"; do
   pkill -P "$p" 2>/dev/null
   kill "$p" 2>/dev/null
