@@ -1,0 +1,103 @@
+"""`hpcrl data ...` and `hpcrl model ...`: thin shells over hpcrl.rl.data and hpcrl.rl.tiny.
+
+Each takes its own argv and raises HpcrlError with a one-line message for a user mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import HpcrlError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # a bad flag is a user mistake: one line, no usage dump
+        raise HpcrlError(f"{self.prog}: {message}")
+
+
+def _data_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hpcrl data", description="Write RL datasets as parquet in TinyZero/verl's schema.")
+    sub = p.add_subparsers(dest="dataset", required=True, parser_class=_Parser)
+    cd = sub.add_parser("countdown", help="generate solvable Countdown problems (train.parquet, test.parquet)")
+    cd.add_argument("--out", required=True, help="output directory")
+    cd.add_argument("--train", type=int, default=327_680, help="training rows (TinyZero: 327680)")
+    cd.add_argument("--test", type=int, default=1024, help="test rows (TinyZero: 1024)")
+    cd.add_argument("--seed", type=int, default=0)
+    cd.add_argument("--min-count", type=int, default=3, help="fewest numbers per problem")
+    cd.add_argument("--max-count", type=int, default=4, help="most numbers per problem")
+    cd.add_argument("--max-number", type=int, default=99)
+    cd.add_argument("--max-target", type=int, default=999)
+    cd.add_argument("--template", choices=("base", "tiny"), default="base",
+                    help="prompt: TinyZero's base-model text, or the compact one of the tiny model")
+    gs = sub.add_parser("gsm8k", help="convert a local GSM8K .jsonl/.parquet (question, answer) file")
+    gs.add_argument("--from", dest="src", required=True, help="GSM8K file with 'question' and 'answer' columns")
+    gs.add_argument("--out", required=True, help="output directory")
+    gs.add_argument("--split", default=None, help="output name: train or test (default: from the file name)")
+    return p
+
+
+def cmd_data(argv: list[str]) -> int:
+    ns = _data_parser().parse_args(argv)
+    from . import data
+
+    out = Path(ns.out).expanduser()
+    if ns.dataset == "countdown":
+        _check_countdown(ns)
+        try:
+            train, test = data.countdown_rows(ns.train, ns.test, seed=ns.seed, min_count=ns.min_count,
+                                              max_count=ns.max_count, max_number=ns.max_number,
+                                              max_target=ns.max_target, template=ns.template)
+        except ValueError as e:
+            raise HpcrlError(f"hpcrl data countdown: {e}") from None
+        data.write_parquet(train, out / "train.parquet")
+        data.write_parquet(test, out / "test.parquet")
+        print(f"wrote {len(train)} rows to {out / 'train.parquet'} and {len(test)} rows to {out / 'test.parquet'}")
+        return 0
+    src = Path(ns.src).expanduser()
+    split = ns.split or ("test" if "test" in src.name else "train")
+    try:
+        rows = data.gsm8k_rows(data.read_records(src), split)
+    except FileNotFoundError:
+        raise HpcrlError(f"hpcrl data gsm8k: --from {src}: no such file") from None
+    except (ValueError, KeyError, OSError) as e:
+        raise HpcrlError(f"hpcrl data gsm8k: --from {src}: {e}") from None
+    if not rows:
+        raise HpcrlError(f"hpcrl data gsm8k: --from {src}: the file has no rows")
+    data.write_parquet(rows, out / f"{split}.parquet")
+    print(f"wrote {len(rows)} rows to {out / f'{split}.parquet'}")
+    return 0
+
+
+def _check_countdown(ns) -> None:
+    if ns.train < 0 or ns.test < 0:
+        raise HpcrlError("hpcrl data countdown: --train and --test must be >= 0")
+    if not 2 <= ns.min_count <= ns.max_count <= 8:
+        raise HpcrlError(f"hpcrl data countdown: need 2 <= --min-count <= --max-count <= 8, "
+                         f"got {ns.min_count} and {ns.max_count}")
+    if ns.max_number < 2 or ns.max_target < 1:
+        raise HpcrlError("hpcrl data countdown: --max-number must be >= 2 and --max-target >= 1")
+
+
+def cmd_model(argv: list[str]) -> int:
+    p = _Parser(prog="hpcrl model", description="Build models locally (no model hub).")
+    sub = p.add_subparsers(dest="kind", required=True, parser_class=_Parser)
+    t = sub.add_parser("tiny", help="a word-level tokenizer and a randomly initialised small Llama")
+    t.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
+    t.add_argument("--hidden-size", type=int, default=128)
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--max-int", type=int, default=1000, help="largest whole number that is one token")
+    t.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args(argv)
+    if ns.hidden_size < 8 or ns.layers < 1 or ns.heads < 1 or ns.hidden_size % ns.heads:
+        raise HpcrlError(f"hpcrl model tiny: --hidden-size ({ns.hidden_size}) must be >= 8 and divisible by "
+                         f"--heads ({ns.heads}); --layers must be >= 1")
+    if ns.max_int < 10:
+        raise HpcrlError("hpcrl model tiny: --max-int must be >= 10")
+    from .tiny import build_tiny_model
+
+    out = build_tiny_model(Path(ns.out).expanduser(), hidden_size=ns.hidden_size, layers=ns.layers,
+                           heads=ns.heads, max_int=ns.max_int, seed=ns.seed)
+    print(f"wrote a tiny Llama (hidden {ns.hidden_size}, {ns.layers} layers) and its tokenizer to {out}")
+    return 0

