@@ -95,6 +95,9 @@ class StopFlag:
         if install:
             signal.signal(signal.SIGUSR1, self._on_usr1)
             signal.signal(signal.SIGTERM, self._on_term)
+            import atexit
+
+            atexit.register(ignore_late_signals)
 
     def _on_usr1(self, signum, frame):
         self.usr1 = True
@@ -117,6 +120,18 @@ class StopFlag:
         if self.usr1 or self.term:
             return True
         return self.ctx.seconds_left() <= self.margin_s + next_step_s + save_s
+
+
+def ignore_late_signals() -> None:
+    """Ignore USR1/TERM from now on (registered at exit by StopFlag).
+
+    Python resets handled signals to their default action while it shuts down, and a large
+    process (torch) takes a while to: a USR1 forwarded just as the trainer exits for
+    continuation would then kill it, turning a clean 85 into a failed segment (138). A trainer
+    that is exiting has already saved; an ignored signal stays ignored through finalization.
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # ---------------------------------------------------------------- metrics

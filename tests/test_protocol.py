@@ -67,3 +67,22 @@ def test_stop_flag_deadline(tmp_path):
     assert stop.should_stop(next_step_s=9)
     stop.usr1 = True
     assert stop.should_stop() and stop.reason == "SIGUSR1"
+
+
+def test_signals_are_ignored_once_the_trainer_exits():
+    # A USR1 that arrives while Python shuts down would otherwise kill a trainer that already
+    # saved and chose exit 85. The check runs after StopFlag's own exit hook (atexit is LIFO).
+    import subprocess
+    import sys
+
+    code = ("import atexit, os, signal, sys\n"
+            "def late():\n"
+            "    ok = signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    print('ignored' if ok else 'handled', flush=True)\n"
+            "atexit.register(late)\n"
+            "from hpcrl import protocol\n"
+            "protocol.StopFlag(protocol.Context.from_env())\n"
+            "sys.exit(85)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 85 and proc.stdout.strip() == "ignored", (proc.returncode, proc.stdout, proc.stderr)
