@@ -207,10 +207,13 @@ done
 echo "hpcrl: segment script exited with code $rc"
 
 # 5. Everything to the bucket; final.json, written last, tells the watcher the copy is complete.
-sync_up final
+# The log's last line is written before that copy: the watcher may finish the segment (and
+# `hpcrl logs -f` stop) as soon as final.json lands.
 if [ -z "$terminated" ]; then
   echo "hpcrl: segment over; deleting queued resource $HPCRL_JOB_ID"
-  gs cp "$log" "$run_uri/logs/" >/dev/null 2>&1
+fi
+sync_up final
+if [ -z "$terminated" ]; then
   gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1 || echo "hpcrl: could not delete the queued resource; the watcher will"
 fi
 exit "$rc"
