@@ -40,25 +40,13 @@ def _resolve(ns):
         validate_name(ns.name)
     flags = {k: getattr(ns, k) for k in ("hours", "hours_min", "total_hours", "max_segments", "qos", "account",
                                          "nodes", "trainer")}
-    resolved = resolve(spec, ns.site, ns.sets, flags)
-    if resolved["site"]["scheduler"] == "tpu":  # [tpu] project/zone from gcloud's config, then checked
-        from .backends.tpu import complete_site
-
-        complete_site(resolved["site"])
-    return resolved
+    return resolve(spec, ns.site, ns.sets, flags)
 
 
 def cmd_render(ns) -> int:
     from . import launch
 
-    resolved = _resolve(ns)
-    run_id = ns.name or launch.default_run_id(resolved["spec"]["name"])
-    text = launch.render(resolved, run_id)
-    if resolved["site"]["scheduler"] == "tpu":  # [tpu] also the gcloud create argv and the VM startup script
-        from .backends.tpu import dry_run
-
-        text = dry_run(resolved, run_id, text)
-    sys.stdout.write(text)
+    sys.stdout.write(launch.render(_resolve(ns), ns.name))
     return 0
 
 

@@ -43,10 +43,18 @@ def run_paths(resolved: dict, run_id: str) -> RunPaths:
                     hpcrl_python=site.get("hpcrl_python") or sys.executable)
 
 
+def _site_backend(resolved: dict):
+    """The site's backend, after it filled in the site values it knows (TPU: gcloud's config)."""
+    backend = get_backend(resolved["site"]["scheduler"], resolved["site"])
+    backend.complete_site(resolved["site"])
+    return backend
+
+
 def render(resolved: dict, run_id: str | None = None) -> str:
     """What submit would send: the same code path, without writing or submitting anything."""
+    backend = _site_backend(resolved)
     run_id = run_id or default_run_id(resolved["spec"]["name"])
-    return render_script(resolved, run_paths(resolved, run_id))
+    return backend.dry_run(resolved, run_id, render_script(resolved, run_paths(resolved, run_id)))
 
 
 def _write_run_dir(tmp: Path, resolved: dict, paths: RunPaths, script: str) -> None:
@@ -92,6 +100,7 @@ def create_run(resolved: dict, run_id: str | None = None) -> Run:
 
 
 def submit(resolved: dict, run_id: str | None = None) -> Run:
+    _site_backend(resolved)
     run = create_run(resolved, run_id)
     try:
         with run.locked() as state:
@@ -135,9 +144,14 @@ def _close_lost_segments(run: Run, state: dict, except_job: str, step: int | Non
     # failure, hard cancel, OOM of the batch shell): close it with what its checkpoints show.
     for seg in state["segments"]:
         if seg["state"] == runs.SEG_RUNNING and seg.get("job_id") != except_job:
-            seg.update(state=runs.SEG_LOST, ended=time.time(), end_step=step, rc=None)
-            _count_progress(state, seg)
-            runs.add_event(state, f"segment {seg.get('k')} (job {seg.get('job_id')}) ended without its end hook")
+            _mark_lost(state, seg, step, "ended without its end hook")
+
+
+def _mark_lost(state: dict, seg: dict, step: int | None, why: str) -> None:
+    """A running segment whose job ended without its end hook: judged by its checkpoints."""
+    seg.update(state=runs.SEG_LOST, ended=time.time(), end_step=step, rc=None, reason=why)
+    _count_progress(state, seg)
+    runs.add_event(state, f"segment {seg.get('k') or '-'} (job {seg.get('job_id')}) {why}")
 
 
 def _count_progress(state: dict, seg: dict) -> None:
@@ -404,10 +418,9 @@ def close_segment(run: Run, job_id: str, why: str) -> None:
             return
         if seg["state"] == runs.SEG_QUEUED:
             seg.update(state=runs.SEG_CANCELLED, ended=time.time(), reason=why)
+            runs.add_event(state, f"segment - (job {job_id}) {why}")
         else:
-            seg.update(state=runs.SEG_LOST, ended=time.time(), end_step=step, rc=None, reason=why)
-            _count_progress(state, seg)
-        runs.add_event(state, f"segment {seg.get('k') or '-'} (job {job_id}) {why}")
+            _mark_lost(state, seg, step, why)
 
 
 def _publish_state(run: Run) -> None:

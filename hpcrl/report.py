@@ -17,13 +17,10 @@ STATE_COLOURS = {"RUNNING": "32", "CHECKPOINTING": "36", "RESUBMITTED": "36", "P
 
 
 def _ckpt_info(run: Run, trainer: str) -> tuple[int | None, float | None]:
-    ckpt_dir = run.dir / "checkpoints"
-    if trainer in ("smoke", "builtin"):
-        step = protocol.latest_checkpoint_step(ckpt_dir)
-    else:
-        from .trainers import get_trainer  # verl/maxtext layouts; still no torch
+    from .trainers import get_trainer  # launcher-side adapters only: no torch
 
-        step = get_trainer(trainer).checkpoint_step(run.dir, ckpt_dir)
+    ckpt_dir = run.dir / "checkpoints"
+    step = get_trainer(trainer).checkpoint_step(run.dir, ckpt_dir)
     if step is None:
         return None, None
     path = ckpt_dir / protocol.checkpoint_name(step)

@@ -60,9 +60,14 @@ def run_command(argv: list[str], timeout_s: float = 60, check: bool = True, inpu
         raise BackendError(f"'{' '.join(argv[:3])} ...' did not answer within {timeout_s:.0f} s; is the scheduler up?") from None
     result = CommandResult(argv, proc.returncode, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:
-        tail = " ".join(proc.stderr.strip().splitlines()[-2:])[:400] or f"exit code {proc.returncode}"
-        raise BackendError(f"{' '.join(argv[:2])} failed: {tail}")
+        raise BackendError(f"{' '.join(argv[:2])} failed: {stderr_tail(result)}")
     return result
+
+
+def stderr_tail(result: CommandResult) -> str:
+    """One line for the user: the last two non-empty stderr lines (or the exit code)."""
+    lines = [ln.strip() for ln in (result.stderr or "").splitlines() if ln.strip()]
+    return " ".join(lines[-2:])[:400] or f"exit code {result.returncode}"
 
 
 class Backend:
@@ -74,6 +79,14 @@ class Backend:
 
     def __init__(self, site: dict):
         self.site = site
+
+    def complete_site(self, site: dict) -> dict:
+        """Fill in and check site values this scheduler knows itself (TPU: gcloud's project/zone)."""
+        return site
+
+    def dry_run(self, resolved: dict, run_id: str, job_script: str) -> str:
+        """What `render` shows: the segment script, plus anything else submit would send."""
+        return job_script
 
     def submit(self, script: Path, run_dir: Path, job_name: str, after: str | None = None) -> str:
         """Queue `script`; if `after` is a job id, start only after that job ends (any way)."""

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..errors import BackendError, SpecError
-from .base import Backend, JobInfo, JobState, run_command
+from .base import Backend, JobInfo, JobState, run_command, stderr_tail
 
 # Every job state Slurm reports (squeue(1) "JOB STATE CODES"), mapped to ours. Only finished
 # states map to a finished JobState: the lifecycle must never treat a job whose processes may
@@ -211,11 +211,6 @@ def parse_sbatch_parsable(text: str) -> str:
 
 # --- I/O ---------------------------------------------------------------------------------------
 
-def _stderr_tail(result) -> str:
-    # One line for the user: the last two stderr lines, as run_command reports its failures.
-    return " ".join(result.stderr.strip().splitlines()[-2:])[:400] or f"exit code {result.returncode}"
-
-
 class SlurmBackend(Backend):
     name = "slurm"
     chains_successors = True
@@ -255,7 +250,7 @@ class SlurmBackend(Backend):
             return parse_squeue_text(result.stdout)
         if "Invalid job id" in result.stderr:  # none of the ids is known any more
             return {}
-        raise BackendError(f"squeue failed: {_stderr_tail(result)}")
+        raise BackendError(f"squeue failed: {stderr_tail(result)}")
 
     def _scontrol(self, job_id: str) -> dict[str, JobInfo]:
         result = run_command(["scontrol", "show", "job", job_id], check=False)
@@ -277,7 +272,7 @@ class SlurmBackend(Backend):
         result = run_command(["scancel", *ids], check=False)
         # Cancelling a job that already ended is not an error for us: the goal state holds.
         if result.returncode != 0 and "Invalid job id" not in result.stderr:
-            raise BackendError(f"scancel failed: {_stderr_tail(result)}")
+            raise BackendError(f"scancel failed: {stderr_tail(result)}")
 
     def current_job_id(self, environ) -> str | None:
         return environ.get("SLURM_JOB_ID") or None

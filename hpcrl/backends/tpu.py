@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..errors import BackendError, SiteError, one_of
 from ..protocol import atomic_write_json, atomic_write_text
-from .base import Backend, JobInfo, JobState, run_command
+from .base import Backend, JobInfo, JobState, run_command, stderr_tail
 
 PROVISIONING = {  # mode -> (gcloud release track, extra create flags)
     "spot": ([], ["--spot"]),
@@ -236,11 +236,6 @@ def explain(message: str, site: dict) -> str | None:
     return None
 
 
-def _tail(text: str) -> str:
-    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
-    return " ".join(lines[-2:])[:300]
-
-
 # ---------------------------------------------------------------- the VM startup script (pure)
 
 
@@ -293,6 +288,12 @@ class TpuBackend(Backend):
     name = "tpu"
     chains_successors = False  # the VM cannot queue its successor: hpcrl/watch.py does
 
+    def complete_site(self, site: dict) -> dict:
+        return complete_site(site)
+
+    def dry_run(self, resolved: dict, run_id: str, job_script: str) -> str:
+        return dry_run(resolved, run_id, job_script)
+
     def gcloud(self, argv: list[str], timeout_s: float = 120, check: bool = True, input_text: str | None = None):
         """Run gcloud; a failure becomes a one-line BackendError that says how to fix it."""
         if shutil.which("gcloud") is None:
@@ -302,7 +303,7 @@ class TpuBackend(Backend):
         if check and res.returncode != 0:
             fix = explain(res.stderr, self.site)
             verb = " ".join(a for a in argv[1:6] if not a.startswith("-"))
-            raise BackendError(f"gcloud {verb} failed: {fix}" if fix else f"gcloud {verb} failed: {_tail(res.stderr)}")
+            raise BackendError(f"gcloud {verb} failed: {fix}" if fix else f"gcloud {verb} failed: {stderr_tail(res)}")
         return res
 
     # -- segments
