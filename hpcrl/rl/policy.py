@@ -57,19 +57,90 @@ def left_pad(seqs, pad_id: int, device=None):
     return ids.to(device), mask.to(device)
 
 
-def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0):
+def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
+                      group_size: int = 1):
     """log pi(y_t | x, y_<t) for every response token (B x R), with the positions generate used.
 
     Position ids come from the attention mask: with left padding the default arange would shift
-    every position and the log-probs would not match the sampler's.
+    every position and the log-probs would not match the sampler's. `response_mask` is accepted
+    for symmetry but not needed: a position only attends to earlier ones, so the tokens after an
+    eos (masked out of every loss) cannot change the log-probs before it.
+
+    When rows come in runs of `group_size` copies of one prompt (a GRPO batch), the prompt is
+    run once per group and its keys/values are shared by the group's responses: the prompt's
+    share of the forward and backward work shrinks by group_size. Gradients flow through the
+    shared keys/values, so the result equals the full forward up to float rounding.
     """
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attn = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    # only the positions that predict response tokens go through the LM head (a 150k vocabulary
-    # over the prompt too would be most of the activation memory)
-    keep = response_ids.shape[1] + 1
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
-    logits = logits[:, -keep:-1].float() / temperature
+    r = response_ids.shape[1]
+    if group_size > 1 and rows_share_prompts(prompt_ids, prompt_mask, group_size) and _plain_kv_cache(model):
+        logits = _logits_shared_prompt(model, prompt_ids, prompt_mask, response_ids, group_size)
+    else:
+        # the last response token predicts nothing we score: it is not fed at all
+        ids = torch.cat([prompt_ids, response_ids[:, :-1]], dim=1)
+        attn = pos = None
+        if not bool(prompt_mask.all()):  # no padding: plain causal attention, no mask to build
+            attn = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], r - 1)], dim=1)
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        # only the positions that predict response tokens go through the LM head (a 150k vocabulary
+        # over the prompt too would be most of the activation memory)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                       logits_to_keep=r).logits[:, -r:]
+    logits = logits.float() / temperature
     picked = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def rows_share_prompts(prompt_ids, prompt_mask, group_size: int) -> bool:
+    """True when the rows are runs of group_size identical prompts (how rollouts lay them out)."""
+    rows = prompt_ids.shape[0]
+    if group_size <= 1 or rows % group_size:
+        return False
+    ids = prompt_ids.view(rows // group_size, group_size, -1)
+    mask = prompt_mask.view(rows // group_size, group_size, -1)
+    return bool((ids == ids[:, :1]).all()) and bool((mask == mask[:, :1]).all())
+
+
+def new_kv_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _plain_kv_cache(model) -> bool:
+    """Prompt sharing needs a cache that keeps every key/value (no sliding window, no offloading)."""
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        return all(type(layer) is DynamicLayer for layer in new_kv_cache(model).layers)
+    except Exception:  # a model whose config the cache cannot read: take the plain path
+        return False
+
+
+def prefill_shared(model, prompt_ids, prompt_mask):
+    """Run each distinct prompt once with a fresh KV cache.
+
+    Returns (logits at the last prompt position [G x V], cache, last position ids [G x 1], padded)
+    where `padded` says whether later calls need an attention mask (some prompt is left padded).
+    """
+    padded = not bool(prompt_mask.all())
+    pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = new_kv_cache(model)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask if padded else None, position_ids=pos,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1], cache, pos[:, -1:], padded
+
+
+def _logits_shared_prompt(model, prompt_ids, prompt_mask, response_ids, n: int):
+    first, cache, last_pos, padded = prefill_shared(model, prompt_ids[::n], prompt_mask[::n])
+    first = first.unsqueeze(1).repeat_interleave(n, dim=0)  # predicts response token 0
+    r = response_ids.shape[1]
+    if r == 1:
+        return first
+    cache.batch_repeat_interleave(n)  # differentiable: the group's gradients sum into the prompt
+    pos = last_pos.repeat_interleave(n, dim=0) + torch.arange(1, r, device=prompt_ids.device)
+    attn = None
+    if padded:
+        attn = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], r - 1)], dim=1)
+    out = model(input_ids=response_ids[:, :-1], attention_mask=attn, position_ids=pos, past_key_values=cache,
+                use_cache=True)
+    return torch.cat([first, out.logits], dim=1)

@@ -8,7 +8,7 @@ import torch
 
 from hpcrl import protocol
 from hpcrl.rl import checkpoint, policy, warmup
-from hpcrl.rl.rollout import HFRollout, response_mask_from
+from hpcrl.rl.rollout import HFGenerateRollout, HFRollout, _top_p_filter, response_mask_from
 from hpcrl.rl.tiny import build_tiny_model
 
 
@@ -23,19 +23,69 @@ def test_response_mask_stops_after_first_eos():
     assert response_mask_from(ids, 3).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
 
 
+# prompts of different lengths, so rows are left padded
+PROMPTS = ["numbers 3 5 target 8 answer", "numbers 4 target 9 answer", "numbers 7 2 1 target 40 answer"]
+
+
+@pytest.mark.parametrize("engine", [HFRollout, HFGenerateRollout])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_logprobs_equal_a_training_forward(tiny, temperature):
-    """old_logp comes from generate itself; it must be what the loss recomputes, else the
+def test_sampler_logprobs_equal_a_training_forward(tiny, temperature, engine):
+    """old_logp comes from the sampler itself; it must be what the loss recomputes, else the
     importance ratio is wrong from the first update on (this guards a transformers upgrade)."""
     model, tok = tiny
     torch.manual_seed(0)
-    prompts = [tok("numbers 3 5 target 8 answer").input_ids, tok("numbers 4 target 9 answer").input_ids]
-    batch = HFRollout(model, tok, temperature=temperature, max_new_tokens=7).generate(prompts, n=3)
+    prompts = [tok(p).input_ids for p in PROMPTS[:2]]
+    batch = engine(model, tok, temperature=temperature, max_new_tokens=7).generate(prompts, n=3)
     assert batch.response_ids.shape[0] == 6 and len(batch.texts) == 6
-    with torch.no_grad():
+    assert not bool(batch.prompt_mask.all())  # the padded path is the one exercised
+    for group in (1, 3):  # full forward, and the prompt shared across each group
+        with torch.no_grad():
+            logp = policy.response_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                            batch.response_mask, temperature, group_size=group)
+        assert torch.allclose(logp * batch.response_mask, batch.old_logp, atol=1e-4)
+
+
+def test_sampling_loop_greedy_equals_generate(tiny):
+    """The hand-written KV-cache loop (prompt prefilled once per group) decodes exactly what
+    transformers' generate decodes, padded prompts included."""
+    model, tok = tiny
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    ours = HFRollout(model, tok, max_new_tokens=9).generate(prompts, n=2, greedy=True)
+    theirs = HFGenerateRollout(model, tok, max_new_tokens=9).generate(prompts, n=2, greedy=True)
+    assert ours.texts == theirs.texts
+    width = min(ours.response_ids.shape[1], theirs.response_ids.shape[1])
+    assert torch.equal(ours.response_ids[:, :width] * ours.response_mask[:, :width].long(),
+                       theirs.response_ids[:, :width] * theirs.response_mask[:, :width].long())
+    assert torch.equal(ours.prompt_ids, theirs.prompt_ids) and torch.equal(ours.prompt_mask, theirs.prompt_mask)
+
+
+def test_shared_prompt_forward_gives_the_full_forward_gradient(tiny):
+    """Running each prompt once for its group must not change the loss or its gradient: the
+    group's gradients flow back through the shared keys/values."""
+    model, tok = tiny
+    torch.manual_seed(3)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    batch = HFRollout(model, tok, max_new_tokens=6).generate(prompts, n=4)
+    weights = torch.randn(batch.response_ids.shape)
+    grads = []
+    for group in (1, 4):
+        model.zero_grad(set_to_none=True)
         logp = policy.response_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                        batch.response_mask, temperature)
-    assert torch.allclose(logp * batch.response_mask, batch.old_logp, atol=1e-4)
+                                        batch.response_mask, 1.0, group_size=group)
+        (logp * weights * batch.response_mask).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    for full, shared in zip(*grads):
+        assert torch.allclose(full, shared, atol=1e-5, rtol=1e-4)
+    assert policy.rows_share_prompts(batch.prompt_ids, batch.prompt_mask, 4)
+    assert not policy.rows_share_prompts(batch.prompt_ids[torch.tensor([0, 4, 1, 2])], batch.prompt_mask[:4], 4)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.97, 0.01, 0.01, 0.01]])
+    kept = _top_p_filter(probs, 0.7)
+    assert (kept > 0).tolist() == [[False, True, False, True], [True, False, False, False]]
+    assert torch.equal(kept[0, [1, 3]], probs[0, [1, 3]])
 
 
 def test_greedy_rollout_is_deterministic(tiny):
@@ -145,3 +195,16 @@ def test_micro_batches_accumulate_the_same_gradient(tiny, loss_agg):
         assert grads[micro][0] == pytest.approx(grads[0][0], rel=1e-5)
         for g0, g in zip(grads[0][1], grads[micro][1]):
             assert torch.allclose(g0, g, atol=1e-6, rtol=1e-4)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    from hpcrl.rl.rollout import _sample
+
+    torch.manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0]).repeat(20000, 1)
+    draws = _sample(probs)
+    counts = torch.bincount(draws, minlength=6).float() / len(draws)
+    assert counts[[0, 2, 5]].sum() == 0  # zero-probability tokens are never drawn
+    assert torch.allclose(counts, probs[0], atol=0.015)
+    unnormalised = torch.tensor([[0.0, 0.0, 2.0], [3.0, 0.0, 0.0]])  # top-p leaves rows unnormalised
+    assert _sample(unnormalised).tolist() == [2, 0]
