@@ -15,7 +15,8 @@ Exit codes: EXIT_COMPLETE (0) when training is done, EXIT_CONTINUE when it stopp
 continued by the next segment; anything else is a failure.
 
 Checkpoints: each is a directory CKPT_DIR/step-<N:08d>/ holding its files and a MANIFEST.json
-(sha256 and size of every file), written as CKPT_DIR/.tmp-*/ then fsync'ed and renamed; the
+(a digest - xxh3_128 when the xxhash package is installed, else sha256 - and the size of
+every file), written as CKPT_DIR/.tmp-*/ then fsync'ed and renamed; the
 pointer file CKPT_DIR/LATEST names the newest complete one and is replaced atomically last.
 `publish_checkpoint` and `find_latest_checkpoint` implement this for every trainer in hpcrl.
 """
@@ -225,39 +226,92 @@ def checkpoint_step_of(path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _sha256(path, bufsize: int = 1 << 20) -> str:
-    import hashlib
+_DIGEST = None
 
-    h = hashlib.sha256()
+
+def digest_algorithm() -> str:
+    """The manifest digest: xxh3_128 (~10x sha256's speed; integrity against torn and corrupt
+    files, not against an attacker who can write the checkpoint) when xxhash is installed (the
+    built-in trainer's stack has it), else sha256."""
+    global _DIGEST
+    if _DIGEST is None:
+        try:
+            import xxhash  # noqa: F401
+
+            _DIGEST = "xxh3_128"
+        except ImportError:
+            _DIGEST = "sha256"
+    return _DIGEST
+
+
+def new_hasher(algorithm: str | None = None):
+    """A hashlib-style object (update, hexdigest) for `algorithm` (default: digest_algorithm())."""
+    algorithm = algorithm or digest_algorithm()
+    if algorithm == "sha256":
+        import hashlib
+
+        return hashlib.sha256()
+    if algorithm == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError:
+            raise ValueError("xxh3_128 digests need the xxhash package: pip install xxhash") from None
+        return xxhash.xxh3_128()
+    raise ValueError(f"unknown digest algorithm {algorithm!r}")
+
+
+def file_digest(path, algorithm: str | None = None, bufsize: int = 1 << 22) -> str:
+    h = new_hasher(algorithm)
     with open(path, "rb") as f:
         while chunk := f.read(bufsize):
             h.update(chunk)
     return h.hexdigest()
 
 
-def write_manifest(directory, extra: dict | None = None) -> dict:
-    """Checksum every file in `directory` (recursively) into MANIFEST.json; fsync each file."""
+def write_manifest(directory, extra: dict | None = None, known: dict | None = None) -> dict:
+    """Checksum every file in `directory` (recursively) into MANIFEST.json; fsync each file.
+
+    `known` maps relative paths to entries ({algorithm: digest, "size": n}) that the writer
+    computed while writing, so those files are not read back.
+    """
     directory = Path(directory)
+    known = known or {}
     files = {}
     for p in sorted(directory.rglob("*")):
         if p.is_file() and p.name != MANIFEST_FILE:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-            files[str(p.relative_to(directory))] = {"sha256": _sha256(p), "size": p.stat().st_size}
+            rel = str(p.relative_to(directory))
+            files[rel] = known.get(rel) or {digest_algorithm(): file_digest(p), "size": p.stat().st_size}
     manifest = {"files": files, **(extra or {})}
     atomic_write_json(directory / MANIFEST_FILE, manifest)
     return manifest
 
 
-def verify_checkpoint(directory, deep: bool = True) -> str | None:
-    """None when the checkpoint is complete and intact, else what is wrong with it."""
-    directory = Path(directory)
+def read_manifest(directory) -> dict | None:
     try:
-        manifest = json.loads((directory / MANIFEST_FILE).read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((Path(directory) / MANIFEST_FILE).read_text(encoding="utf-8"))
+        return manifest if isinstance(manifest.get("files"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def entry_algorithm(meta: dict) -> str | None:
+    """The digest algorithm a manifest entry names (its one key besides size)."""
+    return next((k for k in meta if k != "size"), None)
+
+
+def verify_checkpoint(directory, deep: bool = True, skip=()) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it.
+
+    deep=False checks presence and sizes only; files in `skip` get no digest pass (their reader
+    verifies them as it loads them).
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
         return f"{directory.name}: missing or unreadable {MANIFEST_FILE}"
-    for rel, meta in files.items():
+    for rel, meta in manifest["files"].items():
         p = directory / rel
         try:
             size = p.stat().st_size
@@ -265,8 +319,14 @@ def verify_checkpoint(directory, deep: bool = True) -> str | None:
             return f"{directory.name}: file {rel} is missing"
         if size != meta.get("size"):
             return f"{directory.name}: file {rel} has {size} bytes, manifest says {meta.get('size')}"
-        if deep and _sha256(p) != meta.get("sha256"):
-            return f"{directory.name}: file {rel} fails its sha256 check"
+        if deep and rel not in skip:
+            algorithm = entry_algorithm(meta)
+            try:
+                ok = file_digest(p, algorithm) == meta.get(algorithm)
+            except ValueError as e:
+                return f"{directory.name}: file {rel} cannot be checked: {e}"
+            if not ok:
+                return f"{directory.name}: file {rel} fails its {algorithm} check"
     return None
 
 
@@ -279,12 +339,15 @@ def new_checkpoint_dir(ckpt_dir) -> Path:
     return Path(tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir))
 
 
-def publish_checkpoint(ckpt_dir, tmp_dir, step: int, keep_last: int = 3, extra: dict | None = None) -> Path:
-    """Seal a fully written temporary checkpoint: manifest, fsync, rename, pointer, prune."""
+def publish_checkpoint(ckpt_dir, tmp_dir, step: int, keep_last: int = 3, extra: dict | None = None,
+                       known: dict | None = None) -> Path:
+    """Seal a fully written temporary checkpoint: manifest, fsync, rename, pointer, prune.
+
+    `known`: digests the writer computed on the way (see write_manifest)."""
     import tempfile
 
     ckpt_dir = Path(ckpt_dir)
-    write_manifest(tmp_dir, {"step": step, "time": time.time(), **(extra or {})})
+    write_manifest(tmp_dir, {"step": step, "time": time.time(), **(extra or {})}, known)
     fsync_dir(tmp_dir)
     final = ckpt_dir / checkpoint_name(step)
     if final.exists():
@@ -320,18 +383,26 @@ def prune_checkpoints(ckpt_dir, keep_last: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def find_latest_checkpoint(ckpt_dir, deep: bool = True, warn=None) -> tuple[int, Path] | None:
+def find_latest_checkpoint(ckpt_dir, deep: bool = True, warn=None, skip=()) -> tuple[int, Path] | None:
     """The newest intact checkpoint, newest first; a torn or corrupt one is skipped with a warning.
 
     `warn` receives a one-line message for every checkpoint skipped (default: stderr).
     """
+    for step, path in checkpoints_newest_first(ckpt_dir, deep, warn, skip):
+        return step, path
+    return None
+
+
+def checkpoints_newest_first(ckpt_dir, deep: bool = True, warn=None, skip=()):
+    """Yield (step, path) of every checkpoint that passes verify_checkpoint, newest first,
+    warning about each one that does not (a reader that finds more damage asks for the next)."""
     warn = warn or (lambda msg: print(f"hpcrl: warning: {msg}", file=sys.stderr))
     for step, path in reversed(list_checkpoints(ckpt_dir)):
-        problem = verify_checkpoint(path, deep=deep)
+        problem = verify_checkpoint(path, deep=deep, skip=skip)
         if problem is None:
-            return step, path
-        warn(f"checkpoint {problem}; falling back to an older one")
-    return None
+            yield step, path
+        else:
+            warn(f"checkpoint {problem}; falling back to an older one")
 
 
 def latest_checkpoint_step(ckpt_dir) -> int | None:

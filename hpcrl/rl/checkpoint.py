@@ -1,9 +1,14 @@
 """Checkpoints of the built-in trainer, sealed with hpcrl.protocol (manifest, rename, pointer).
 
 Files: model.safetensors (+ config and tokenizer, so a checkpoint loads with from_pretrained),
-ref.safetensors when the reference differs from the base model, optimizer.pt, rng.pt and
-trainer_state.json (step, data position). A save snapshots every tensor first (cheap copies in
-memory), so the optional background thread writes a consistent state while training goes on.
+ref.safetensors when the reference differs from the base model, optimizer.safetensors (the
+state tensors; param groups in its metadata), rng.pt and trainer_state.json (step, data
+position). A save snapshots every tensor first (cheap copies in memory), so the optional
+background thread writes a consistent state while training goes on.
+
+The tensor files are written and read in one streaming pass that computes their manifest digest
+on the way (tensorfile.py): a save never reads its files back, and a resume reads every byte
+once, straight into the model's parameters, verifying as it goes.
 """
 
 from __future__ import annotations
@@ -17,22 +22,34 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from .. import protocol
+from . import tensorfile
+from .tensorfile import CorruptFile
 
 # Test hook: seconds to pause inside a save, between the files and the seal, so a test can
 # kill -9 the process while a checkpoint is half written.
 _TEST_PAUSE_ENV = "HPCRL_RL_TEST_SAVE_PAUSE_S"
 
 
-def _clone(obj):
+def _clone(obj, prev=None):
+    """A deep copy of obj's tensors, written into prev's tensors where they fit.
+
+    Reusing the last snapshot's buffers matters: fresh memory costs a page fault per 4 KiB,
+    which on a VM costs as much as the copy itself.
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        obj = obj.detach()
+        if (isinstance(prev, torch.Tensor) and prev.shape == obj.shape and prev.dtype == obj.dtype
+                and prev.device.type == "cpu"):
+            return prev.copy_(obj)
+        return obj.to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
+        prev = prev if isinstance(prev, dict) else {}
+        return {k: _clone(v, prev.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
+        prev = prev if isinstance(prev, (list, tuple)) and len(prev) == len(obj) else [None] * len(obj)
+        return type(obj)(_clone(v, q) for v, q in zip(obj, prev))
     return obj
 
 
@@ -54,25 +71,33 @@ def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def snapshot(model, optimizer, trainer_state: dict, ref_model=None) -> dict:
-    """Everything a checkpoint holds, copied now (training may change the originals next)."""
+def snapshot(model, optimizer, trainer_state: dict, ref_model=None, copy: bool = True, prev: dict | None = None) -> dict:
+    """Everything a checkpoint holds. copy=True copies the tensors now (training may change the
+    originals while a background thread writes them), into `prev`'s buffers where they fit;
+    copy=False references the live tensors (a synchronous save: nothing changes them meanwhile)."""
+    take = (lambda obj, old: _clone(obj, old)) if copy else (lambda obj, old: obj)
+    prev = prev or {}
     return {
-        "model": _clone(model.state_dict()),
-        "ref": _clone(ref_model.state_dict()) if ref_model is not None else None,
-        "optimizer": _clone(optimizer.state_dict()),
+        "model": take(model.state_dict(), prev.get("model")),
+        "ref": take(ref_model.state_dict(), prev.get("ref")) if ref_model is not None else None,
+        "optimizer": take(optimizer.state_dict(), prev.get("optimizer")),
         "rng": _clone(rng_state()),
         "state": json.loads(json.dumps(trainer_state)),
         "config": model.config,
     }
 
 
-def write_snapshot(snap: dict, directory: Path, tokenizer=None) -> None:
+TENSOR_FILES = ("model.safetensors", "ref.safetensors", "optimizer.safetensors")
+
+
+def write_snapshot(snap: dict, directory: Path, tokenizer=None) -> dict:
+    """Write a snapshot's files; return the manifest entries computed while writing them."""
     directory = Path(directory)
-    save_file({k: v.contiguous() for k, v in snap["model"].items()}, directory / "model.safetensors",
-              metadata={"format": "pt"})
+    known = {"model.safetensors": tensorfile.write(directory / "model.safetensors", snap["model"], {"format": "pt"})}
     if snap["ref"] is not None:
-        save_file({k: v.contiguous() for k, v in snap["ref"].items()}, directory / "ref.safetensors")
-    torch.save(snap["optimizer"], directory / "optimizer.pt")
+        known["ref.safetensors"] = tensorfile.write(directory / "ref.safetensors", snap["ref"], {"format": "pt"})
+    tensors, meta = _flatten_optimizer(snap["optimizer"])
+    known["optimizer.safetensors"] = tensorfile.write(directory / "optimizer.safetensors", tensors, meta)
     torch.save(snap["rng"], directory / "rng.pt")
     snap["config"].save_pretrained(directory)
     if tokenizer is not None:
@@ -81,6 +106,46 @@ def write_snapshot(snap: dict, directory: Path, tokenizer=None) -> None:
     if pause:
         time.sleep(pause)
     (directory / "trainer_state.json").write_text(json.dumps(snap["state"], indent=1, sort_keys=True))
+    return known
+
+
+def _flatten_optimizer(state_dict: dict) -> tuple[dict, dict]:
+    """An optimizer state_dict as safetensors: tensors "state.<param>.<key>", the rest as JSON."""
+    tensors, other = {}, {}
+    for index, per_param in state_dict["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{key}"] = value
+            else:
+                other.setdefault(str(index), {})[key] = value
+    return tensors, {"param_groups": _to_json(state_dict["param_groups"]), "other_state": _to_json(other)}
+
+
+def _to_json(obj) -> str:
+    """JSON that keeps tuples (AdamW's betas) apart from lists, so state_dict() round-trips."""
+    def mark(x):
+        if isinstance(x, tuple):
+            return {"__tuple__": [mark(v) for v in x]}
+        if isinstance(x, list):
+            return [mark(v) for v in x]
+        if isinstance(x, dict):
+            return {k: mark(v) for k, v in x.items()}
+        return x
+    return json.dumps(mark(obj))
+
+
+def _from_json(text: str):
+    return json.loads(text, object_hook=lambda d: tuple(d["__tuple__"]) if d.keys() == {"__tuple__"} else d)
+
+
+def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
+    state: dict = {}
+    for name, value in tensors.items():
+        _, index, key = name.split(".", 2)
+        state.setdefault(int(index), {})[key] = value
+    for index, values in _from_json(meta["other_state"]).items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": _from_json(meta["param_groups"])}
 
 
 class Checkpointer:
@@ -91,7 +156,20 @@ class Checkpointer:
         self.keep_last, self.async_save, self.tokenizer = keep_last, async_save, tokenizer
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._buffers: dict | None = None  # the last background snapshot, reused by the next
         self.last_save_s = 0.0  # wall time of the last save, to budget the final one
+
+    def save_now(self, step: int, model, optimizer, trainer_state: dict, ref_model=None,
+                 background: bool | None = None) -> None:
+        """Snapshot and save. In the background: tensors copied into the buffers of the last
+        background snapshot (its write has finished: at most one save is in flight); else
+        written straight from the live tensors, with no copy at all."""
+        self.wait()
+        background = self.async_save if background is None else background
+        snap = snapshot(model, optimizer, trainer_state, ref_model, copy=background, prev=self._buffers)
+        if background:
+            self._buffers = snap
+        self.save(step, snap, background)
 
     def save(self, step: int, snap: dict, background: bool | None = None) -> None:
         self.wait()  # one save at a time: publish prunes stray temp dirs of earlier saves
@@ -108,8 +186,8 @@ class Checkpointer:
         t0 = time.monotonic()
         try:
             tmp = protocol.new_checkpoint_dir(self.ckpt_dir)
-            write_snapshot(snap, tmp, self.tokenizer)
-            protocol.publish_checkpoint(self.ckpt_dir, tmp, step, keep_last=self.keep_last)
+            known = write_snapshot(snap, tmp, self.tokenizer)
+            protocol.publish_checkpoint(self.ckpt_dir, tmp, step, keep_last=self.keep_last, known=known)
         except BaseException as e:  # surfaced on the main thread by wait()
             self._error = e
         self.last_save_s = time.monotonic() - t0
@@ -126,21 +204,67 @@ class Checkpointer:
             err, self._error = self._error, None
             raise RuntimeError(f"checkpoint save failed: {err}") from err
 
+    def _warn(self, message: str) -> None:
+        print(f"hpcrl.rl: warning: {message}", file=sys.stderr, flush=True)
+
     def latest(self):
         """(step, path) of the newest intact checkpoint, or None; corrupt ones are skipped."""
-        return protocol.find_latest_checkpoint(
-            self.ckpt_dir, warn=lambda m: print(f"hpcrl.rl: warning: {m}", file=sys.stderr, flush=True))
+        return protocol.find_latest_checkpoint(self.ckpt_dir, warn=self._warn)
+
+    def restore(self, model, optimizer, ref_model=None):
+        """Load the newest intact checkpoint into model/optimizer/ref: (step, path, trainer_state).
+
+        Returns (None, None, touched) when there is none; touched=True means a damaged
+        checkpoint was partly read into the model first (the caller restores the base weights).
+        The small files are verified first; the tensor files as they are read.
+        """
+        touched = False
+        for step, path in protocol.checkpoints_newest_first(self.ckpt_dir, warn=self._warn, skip=TENSOR_FILES):
+            try:
+                return step, path, load_into(path, model, optimizer, ref_model)
+            except CorruptFile as e:
+                touched = True
+                self._warn(f"checkpoint {path.name}: {e}; falling back to an older one")
+        return None, None, touched
 
 
 def load_into(path, model, optimizer, ref_model=None) -> dict:
-    """Restore model, optimizer, reference and every RNG from `path`; return trainer_state."""
+    """Restore model, optimizer, reference and every RNG from `path`; return trainer_state.
+
+    Parameters are filled in place from the file; the optimizer is only touched once its file
+    has passed its check. Raises CorruptFile when a file fails the manifest's digest.
+    """
     path = Path(path)
-    model.load_state_dict(load_file(path / "model.safetensors", device=str(_device_of(model))))
-    if ref_model is not None and (path / "ref.safetensors").exists():
-        ref_model.load_state_dict(load_file(path / "ref.safetensors", device=str(_device_of(ref_model))))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=_device_of(model), weights_only=True))
+    manifest = protocol.read_manifest(path)
+    if manifest is None:
+        raise CorruptFile(f"missing or unreadable {protocol.MANIFEST_FILE}")
+    files = manifest["files"]
+
+    def tensors(name: str, into=None):
+        if name not in files:
+            raise CorruptFile(f"{name} is not in the manifest")
+        try:
+            return tensorfile.load(path / name, files[name], into)
+        except CorruptFile as e:
+            raise CorruptFile(f"file {name}: {e}") from None
+
+    _load_module(model, tensors, "model.safetensors")
+    if ref_model is not None and "ref.safetensors" in files:
+        _load_module(ref_model, tensors, "ref.safetensors")
+    if "optimizer.safetensors" in files:
+        optimizer.load_state_dict(_unflatten_optimizer(*tensors("optimizer.safetensors")))
+    else:  # written before optimizer.safetensors existed
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=_device_of(model), weights_only=True))
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+
+
+def _load_module(module, tensors, name: str) -> None:
+    """Every entry of module's state_dict, read in place; the file must hold exactly those."""
+    targets = module.state_dict()  # detached views of the parameters and persistent buffers
+    extra, _ = tensors(name, into=targets)
+    if extra:
+        raise CorruptFile(f"file {name} has tensors the model does not: {sorted(extra)[:3]}")
 
 
 def _device_of(model):

@@ -113,16 +113,20 @@ class RLTrainer:
     def _save(self, background) -> None:
         state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total}
         keep_ref = self.ref is not None and self.cfg["sft_steps"] > 0  # else ref = the base model on disk
-        snap = checkpoint.snapshot(self.model, self.optimizer, state, self.ref if keep_ref else None)
-        self.ckpt.save(self.step, snap, background=background)
+        self.ckpt.save_now(self.step, self.model, self.optimizer, state, self.ref if keep_ref else None, background)
         self.saved_step = self.step
 
     def _resume(self) -> bool:
-        found = self.ckpt.latest()
-        if found is None:
+        _, path, state = self.ckpt.restore(self.model, self.optimizer, self.ref)
+        if path is None:
+            if state:  # a damaged checkpoint was partly read into the weights: start clean
+                say("no intact checkpoint; starting from the base model")
+                base, _ = policy.load_policy(self.model_dir, self.device, self.cfg["dtype"])
+                self.model.load_state_dict(base.state_dict())
+                if self.ref is not None:
+                    self.ref.load_state_dict(base.state_dict())
+                self.rollout.sync_weights(self.model)
             return False
-        step, path = found
-        state = checkpoint.load_into(path, self.model, self.optimizer, self.ref)
         self.step = self.saved_step = int(state["step"])
         self.sampler = EpochSampler(len(self.train_ids), self.cfg["seed"], **state["sampler"])
         self.rollout.sync_weights(self.model)  # a vLLM engine started from the base weights

@@ -85,6 +85,7 @@ class HFRollout:
         self.model, self.tokenizer = model, tokenizer
         self.record_logprobs = record_logprobs
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.suppress_eos = False  # benchmarks: every sequence runs to max_new_tokens
 
     def sync_weights(self, model):
         pass  # the loop uses the training model itself
@@ -134,6 +135,8 @@ class HFRollout:
 
     def _pick(self, logits, greedy: bool, want_logp: bool):
         """(next token per row, its log-prob under the policy at this temperature or None)."""
+        if self.suppress_eos and self.tokenizer.eos_token_id is not None:
+            logits[:, self.tokenizer.eos_token_id] = float("-inf")
         if greedy:
             return logits.argmax(dim=-1), None
         logp_all = torch.log_softmax(logits / self.temperature, dim=-1)

@@ -37,7 +37,14 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcrl.rl: error: {e}", file=sys.stderr)
         return 2
-    return trainer.run()
+    from .tensorfile import ModelMismatch
+
+    try:
+        return trainer.run()
+    except ModelMismatch as e:
+        print(f"hpcrl.rl: error: a checkpoint does not fit the model: {e} "
+              "(resume with the model the run started with, or start a new run)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

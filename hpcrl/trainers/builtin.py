@@ -40,12 +40,12 @@ CHOICES = {
 }
 
 # The trainer's ML stack. torch is pinned: an unpinned torch may pull a multi-GB CUDA build.
-BASE_REQUIREMENTS = ["torch==2.13.0", "transformers>=5.0,<5.20", "tokenizers>=0.21", "safetensors>=0.4",
+BASE_REQUIREMENTS = ["torch==2.13.0", "transformers>=5.0,<5.20", "tokenizers>=0.21", "safetensors>=0.4", "xxhash>=3.0",
                      "numpy>=1.26", "pandas>=2.0", "pyarrow>=15"]
 # With vLLM rollout the venv follows vLLM's own pins: the consistent GPU set that verl 0.9.1
 # declares (notes/trainers.md) - a torch/transformers that vLLM was not built for fails at import.
 VLLM_REQUIREMENTS = ["vllm==0.24.0", "torch==2.11.0", "transformers==5.9.0", "tokenizers>=0.21",
-                     "safetensors>=0.4", "numpy>=1.26", "pandas>=2.0", "pyarrow>=15"]
+                     "safetensors>=0.4", "xxhash>=3.0", "numpy>=1.26", "pandas>=2.0", "pyarrow>=15"]
 
 
 class BuiltinTrainer(Trainer):

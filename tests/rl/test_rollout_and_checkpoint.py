@@ -134,6 +134,30 @@ def test_background_save_is_sealed_and_loads_back(tiny, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(path).config.model_type == "llama"  # usable as a model dir
 
 
+def test_save_now_reuses_snapshot_buffers_and_saves_what_the_model_held(tiny, tmp_path):
+    """Background snapshots copy into the previous snapshot's buffers (no fresh memory), yet each
+    checkpoint holds the weights of its own step; a synchronous save writes the live tensors."""
+    from safetensors.torch import load_file
+
+    model, tok = tiny
+    opt, _ = _snapshot(model, 1)
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=5, async_save=True)
+    held, ptrs = {}, []
+    for step, background in ((1, True), (2, True), (3, False)):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.25)
+        held[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        saver.save_now(step, model, opt, {"step": step, "sampler": {}}, background=background)
+        if background:
+            ptrs.append(saver._buffers["model"]["model.embed_tokens.weight"].data_ptr())
+    saver.wait()
+    assert ptrs[0] == ptrs[1]
+    for step in (1, 2, 3):
+        on_disk = load_file(tmp_path / protocol.checkpoint_name(step) / "model.safetensors")
+        assert all(torch.equal(on_disk[k], held[step][k]) for k in held[step]), step
+
+
 def test_save_waits_for_the_pending_one_and_keeps_last_k(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     opt, snap = _snapshot(model, 1)
@@ -147,18 +171,93 @@ def test_save_waits_for_the_pending_one_and_keeps_last_k(tiny, tmp_path, monkeyp
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_corrupt_newest_falls_back_with_warning(tiny, tmp_path, capsys):
-    model, tok = tiny
-    opt, snap = _snapshot(model, 1)
+def _two_checkpoints(model, tmp_path):
+    """Checkpoints 1 and 2 with different weights; returns (saver, optimizer, weights of 1)."""
+    opt, snap1 = _snapshot(model, 1)
     saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=False)
-    saver.save(1, snap)
-    saver.save(2, snap)
-    victim = tmp_path / protocol.checkpoint_name(2) / "optimizer.pt"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size, one flipped bit: only the checksum can tell
-    victim.write_bytes(bytes(data))
-    assert saver.latest()[0] == 1
-    assert "step-00000002" in capsys.readouterr().err
+    saver.save(1, snap1)
+    _, snap2 = _snapshot(model, 2)
+    saver.save(2, snap2)
+    return saver, opt, snap1["model"]
+
+
+def _flip_a_bit(path, at=0.5):
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x01  # same size, one flipped bit: only the checksum can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors", "rng.pt", "trainer_state.json"])
+def test_corrupt_newest_falls_back_with_warning(tiny, tmp_path, capsys, victim):
+    """One flipped bit anywhere in the newest checkpoint: the resume path (restore) detects it,
+    warns, and loads the previous checkpoint completely - weights included."""
+    model, tok = tiny
+    saver, opt, weights1 = _two_checkpoints(model, tmp_path)
+    _flip_a_bit(tmp_path / protocol.checkpoint_name(2) / victim, at=0.9)
+    step, path, state = saver.restore(model, opt)
+    assert step == 1 and state["step"] == 1 and path.name == protocol.checkpoint_name(1)
+    assert all(torch.equal(weights1[k], v) for k, v in model.state_dict().items())
+    err = capsys.readouterr().err
+    assert "step-00000002" in err and victim in err and "falling back" in err
+
+
+def test_truncated_tensor_file_and_no_intact_checkpoint(tiny, tmp_path, capsys):
+    model, tok = tiny
+    saver, opt, _ = _two_checkpoints(model, tmp_path)
+    for step in (1, 2):
+        weights = tmp_path / protocol.checkpoint_name(step) / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    assert saver.restore(model, opt) == (None, None, False)  # sizes alone told: nothing was read
+    _, _, _ = _two_checkpoints(model, tmp_path / "again")
+    saver = checkpoint.Checkpointer(tmp_path / "again", async_save=False)
+    for step in (1, 2):
+        _flip_a_bit(tmp_path / "again" / protocol.checkpoint_name(step) / "model.safetensors", at=0.7)
+    assert saver.restore(model, opt) == (None, None, True)  # weights were touched: caller reloads
+    assert capsys.readouterr().err.count("falling back") >= 2
+
+
+def test_tensor_files_are_plain_safetensors_and_the_optimizer_round_trips(tiny, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    model, tok = tiny
+    opt, snap = _snapshot(model, 3)
+    saver = checkpoint.Checkpointer(tmp_path, async_save=False)
+    saver.save(3, snap)
+    path = saver.latest()[1]
+    on_disk = load_file(path / "model.safetensors")  # the reference reader agrees with ours
+    assert on_disk.keys() == snap["model"].keys()
+    assert all(torch.equal(on_disk[k], snap["model"][k]) for k in on_disk)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    manifest = protocol.read_manifest(path)
+    assert manifest["files"]["model.safetensors"] == {
+        protocol.digest_algorithm(): protocol.file_digest(path / "model.safetensors"),
+        "size": (path / "model.safetensors").stat().st_size}  # the in-stream digest is the file's
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.3)
+    checkpoint.load_into(path, model, fresh)
+    want, got = snap["optimizer"], fresh.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert want["state"].keys() == got["state"].keys()
+    for i, per_param in want["state"].items():
+        for key, value in per_param.items():
+            assert torch.equal(got["state"][i][key], value), (i, key)
+
+
+def test_bf16_and_scalars_round_trip(tmp_path):
+    from hpcrl.rl import tensorfile
+
+    tensors = {"w": torch.randn(3, 5).to(torch.bfloat16), "step": torch.tensor(7.0), "mask": torch.tensor([True, False]),
+               "empty": torch.zeros(0, 4)}
+    entry = tensorfile.write(tmp_path / "t.safetensors", tensors)
+    into = {"w": torch.zeros(3, 5, dtype=torch.bfloat16)}
+    fresh, _ = tensorfile.load(tmp_path / "t.safetensors", entry, into)
+    assert torch.equal(into["w"], tensors["w"]) and fresh.keys() == {"step", "mask", "empty"}
+    assert all(torch.equal(fresh[k], tensors[k]) for k in fresh)
+    with pytest.raises(tensorfile.ModelMismatch):
+        tensorfile.load(tmp_path / "t.safetensors", entry, {"w": torch.zeros(5, 3, dtype=torch.bfloat16)})
+    with pytest.raises(tensorfile.CorruptFile):
+        tensorfile.load(tmp_path / "t.safetensors", {**entry, "size": entry["size"] + 1})
 
 
 class _RecordingOptimizer:
