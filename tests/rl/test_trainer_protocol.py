@@ -150,3 +150,35 @@ def test_truncated_newest_checkpoint_is_skipped_with_a_warning(straight, tmp_pat
     assert "warning" in err and "step-00000008" in err
     assert f"step-{TOTAL - 2:08d} at step {TOTAL - 2}" in out  # the previous one was loaded
     assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def _flip_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x01  # inside the tensor data: same size, only the digest tells
+    path.write_bytes(bytes(data))
+
+
+def test_bit_flip_in_newest_weights_is_caught_while_loading(straight, tmp_path):
+    """The size check passes; the digest computed while reading the tensors into the model fails,
+    so the trainer warns, loads the previous checkpoint over the half-read weights and finishes
+    with the parameters of the straight run."""
+    run_dir = tmp_path / "flip"
+    shutil.copytree(straight, run_dir)
+    _flip_bit(run_dir / "checkpoints" / protocol.checkpoint_name(TOTAL) / "model.safetensors")
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert "step-00000008: file model.safetensors: fails its" in err
+    assert f"step-{TOTAL - 2:08d} at step {TOTAL - 2}" in out
+    assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def test_every_checkpoint_damaged_restarts_from_the_base_model(straight, tmp_path):
+    run_dir = tmp_path / "all-bad"
+    shutil.copytree(straight, run_dir)
+    for _, path in protocol.list_checkpoints(run_dir / "checkpoints"):
+        _flip_bit(path / "model.safetensors")
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert "no intact checkpoint; starting from the base model" in out
+    steps_by_number(run_dir)  # every redone step agrees with its first record
+    assert_same_params(final_params(run_dir), final_params(straight))
