@@ -340,7 +340,7 @@ def new_checkpoint_dir(ckpt_dir) -> Path:
 
 
 def publish_checkpoint(ckpt_dir, tmp_dir, step: int, keep_last: int = 3, extra: dict | None = None,
-                       known: dict | None = None) -> Path:
+                       known: dict | None = None, prune_in_background: bool = False) -> Path:
     """Seal a fully written temporary checkpoint: manifest, fsync, rename, pointer, prune.
 
     `known`: digests the writer computed on the way (see write_manifest)."""
@@ -358,7 +358,7 @@ def publish_checkpoint(ckpt_dir, tmp_dir, step: int, keep_last: int = 3, extra: 
     os.replace(tmp_dir, final)
     fsync_dir(ckpt_dir)
     atomic_write_text(ckpt_dir / POINTER_FILE, final.name + "\n")
-    prune_checkpoints(ckpt_dir, keep_last)
+    prune_checkpoints(ckpt_dir, keep_last, background=prune_in_background)
     return final
 
 
@@ -372,15 +372,56 @@ def list_checkpoints(ckpt_dir) -> list[tuple[int, Path]]:
     return sorted((s, p) for s, p in found if s is not None)
 
 
-def prune_checkpoints(ckpt_dir, keep_last: int) -> None:
-    import shutil
+def prune_checkpoints(ckpt_dir, keep_last: int, background: bool = False) -> None:
+    """Remove all but the newest keep_last checkpoints, and leftovers of killed saves.
 
+    Each doomed checkpoint is first renamed to a .tmp-old-* name (atomic: a kill mid-delete never
+    leaves a half-deleted step-N that looks like a checkpoint); with background=True the deleting
+    then happens in a daemon thread, off the save's critical path. Only the directories listed
+    here are deleted there: a later save's temporary directory is never touched.
+    """
+    import shutil
+    import tempfile
+
+    ckpt_dir = Path(ckpt_dir)
     ckpts = list_checkpoints(ckpt_dir)
+    doomed = []
     for _, path in ckpts[: max(0, len(ckpts) - max(1, keep_last))]:
-        shutil.rmtree(path, ignore_errors=True)
-    for stale in Path(ckpt_dir).glob(".tmp-*"):
-        # leftovers of a save that was killed; only ever the writer's own, as one process saves
-        shutil.rmtree(stale, ignore_errors=True)
+        aside = Path(tempfile.mkdtemp(prefix=".tmp-old-", dir=ckpt_dir))
+        os.replace(path, aside / path.name)
+    # leftovers of a save that was killed, and the renamed ones; only ever the writer's own, as
+    # one process saves and no save of its is in progress while it publishes
+    doomed.extend(ckpt_dir.glob(".tmp-*"))
+
+    def delete():
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+
+    if background and doomed:
+        import threading
+
+        thread = threading.Thread(target=delete, daemon=True, name="ckpt-prune")
+        thread.start()
+        _PRUNERS.append(thread)
+    else:
+        delete()
+
+
+_PRUNERS: list = []  # background deletions of this process (see wait_for_pruning)
+
+
+def wait_for_pruning(timeout: float | None = None) -> bool:
+    """Join this process's background checkpoint deletions (a trainer does before it exits, so
+    no old checkpoint outlives the segment); False when time ran out first (the next save's
+    prune finishes the job)."""
+    end = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    while _PRUNERS:
+        thread = _PRUNERS[0]
+        thread.join(None if end is None else max(0.0, end - time.monotonic()))
+        if thread.is_alive():
+            return False
+        _PRUNERS.pop(0)
+    return True
 
 
 def find_latest_checkpoint(ckpt_dir, deep: bool = True, warn=None, skip=()) -> tuple[int, Path] | None:

@@ -215,6 +215,7 @@ def bench_checkpoint(work: Path) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from hpcrl import protocol
     from hpcrl.rl import checkpoint
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1200, hidden_size=512, intermediate_size=1536,
@@ -228,7 +229,9 @@ def bench_checkpoint(work: Path) -> dict:
     def save() -> float:
         t0 = time.monotonic()
         saver.save_now(1, model, opt, {"step": 1, "sampler": {"epoch": 0, "cursor": 0}}, background=False)
-        return time.monotonic() - t0
+        took = time.monotonic() - t0  # sealed: the pointer names it
+        protocol.wait_for_pruning()  # the old one's deletion must not slow the next measurement
+        return took
 
     def load(cache: str) -> float:
         if cache == "cold":

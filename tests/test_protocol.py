@@ -48,6 +48,30 @@ def test_unsealed_temp_dir_is_ignored_and_pruned(tmp_path):
     assert not torn.exists()
 
 
+def test_background_prune_deletes_only_what_it_doomed(tmp_path, monkeypatch):
+    """Old checkpoints leave their step-N name at once (renamed aside), are deleted in a thread,
+    and a save that starts meanwhile keeps its temporary directory."""
+    import shutil
+    import threading
+
+    for step in (10, 20):
+        _save(tmp_path, step)
+    gate = threading.Event()
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: (gate.wait(10), real_rmtree(*a, **k)))
+    tmp = protocol.new_checkpoint_dir(tmp_path)
+    (tmp / "weights.bin").write_bytes(b"z" * 10)
+    protocol.publish_checkpoint(tmp_path, tmp, 30, keep_last=1, prune_in_background=True)
+    assert [s for s, _ in protocol.list_checkpoints(tmp_path)] == [30]  # before any byte is deleted
+    assert len(list(tmp_path.glob(".tmp-old-*"))) == 2
+    next_save = protocol.new_checkpoint_dir(tmp_path)  # the next save starts while deleting
+    (next_save / "weights.bin").write_bytes(b"w")
+    assert protocol.wait_for_pruning(timeout=0.05) is False  # still blocked
+    gate.set()
+    assert protocol.wait_for_pruning(timeout=10) is True
+    assert list(tmp_path.glob(".tmp-*")) == [next_save] and (next_save / "weights.bin").exists()
+
+
 def test_read_last_metrics_skips_torn_line(tmp_path):
     path = tmp_path / "m.jsonl"
     protocol.append_metrics(path, {"step": 1, "loss": 2.0})

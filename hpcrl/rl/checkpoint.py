@@ -187,7 +187,10 @@ class Checkpointer:
         try:
             tmp = protocol.new_checkpoint_dir(self.ckpt_dir)
             known = write_snapshot(snap, tmp, self.tokenizer)
-            protocol.publish_checkpoint(self.ckpt_dir, tmp, step, keep_last=self.keep_last, known=known)
+            # old checkpoints are deleted in the background: the walltime stop's save is done
+            # (and the trainer may exit) as soon as the pointer names the new one
+            protocol.publish_checkpoint(self.ckpt_dir, tmp, step, keep_last=self.keep_last, known=known,
+                                        prune_in_background=True)
         except BaseException as e:  # surfaced on the main thread by wait()
             self._error = e
         self.last_save_s = time.monotonic() - t0
@@ -198,6 +201,11 @@ class Checkpointer:
             self._thread.join()
             self._thread = None
         self._raise_pending()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the pending save and for old checkpoints being deleted (before exiting)."""
+        self.wait()
+        protocol.wait_for_pruning(timeout)
 
     def _raise_pending(self):
         if self._error is not None:

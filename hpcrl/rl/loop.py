@@ -92,6 +92,7 @@ class RLTrainer:
             self._save(background=False)
         if self.cfg["eval_after"] and self._evaluate("eval_after") is None:
             return self._stop_exit()  # the next segment finds step == total and only evaluates
+        self._close_checkpoints()
         self.log.close()
         say(f"training complete at step {self.step}; peak RSS {metrics.peak_rss_mb():.0f} MB")
         return protocol.EXIT_COMPLETE
@@ -102,10 +103,15 @@ class RLTrainer:
         fits = self.ctx.seconds_left() > self._save_budget_s()
         if self.step > 0 and self.saved_step != self.step and (reason != "SIGTERM" or fits):
             self._save(background=False)
+        self._close_checkpoints()
         say(f"stopping at step {self.step} ({reason}); checkpoint at step "
             f"{self.saved_step}; exit {protocol.EXIT_CONTINUE} for the next segment; peak RSS {metrics.peak_rss_mb():.0f} MB")
         self.log.close()
         return protocol.EXIT_CONTINUE
+
+    def _close_checkpoints(self) -> None:
+        """Let old checkpoints finish being deleted, within the time left before the kill."""
+        self.ckpt.close(timeout=min(60.0, max(0.0, self.ctx.seconds_left() - 2.0)))
 
     def _save_budget_s(self) -> float:
         return max(1.0, 2.0 * self.ckpt.last_save_s)
