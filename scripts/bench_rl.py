@@ -320,7 +320,13 @@ def report(res: dict) -> str:
         fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
         lines.append(f"| {label} | {fmt(b.get(key))} | {fmt(t.get(key, '-'))} |")
     if "steps_per_s" in t:
-        lines.append(f"\nspeed ratio built-in / TRL: **{b['steps_per_s'] / t['steps_per_s']:.2f}x**")
+        import statistics
+
+        # repeat i of each ran back to back, so each pair saw the same machine: their ratios
+        # are what the drift between repeats leaves alone
+        paired = [round(x / y, 2) for x, y in zip(b["all_steps_per_s"], t["all_steps_per_s"])]
+        lines.append(f"\nspeed ratio built-in / TRL: **{b['steps_per_s'] / t['steps_per_s']:.2f}x** (ratio of the medians); "
+                     f"paired repeats {paired}, median **{statistics.median(paired):.2f}x**")
     r = res["rollout"]
     vllm = f"{r['vllm_tokens_per_s']:.0f}" if "vllm_tokens_per_s" in r else r.get("vllm", "-")
     lines.append(f"\nrollout tokens/s ({r['seqs']} seqs x {r['new_tokens']} tokens): built-in loop {r['hf_tokens_per_s']:.0f}, "
