@@ -32,7 +32,7 @@ DEFAULTS: dict = {
 
 CHOICES = {
     "algorithm": ("grpo", "dr_grpo", "gspo", "gspo_token"),
-    "rollout": ("hf", "vllm"),
+    "rollout": ("hf", "hf-generate", "vllm"),
     "data": ("countdown", "files"),
     "prompt_template": ("base", "tiny"),
     "dtype": ("float32", "bfloat16"),
