@@ -182,3 +182,24 @@ def test_every_checkpoint_damaged_restarts_from_the_base_model(straight, tmp_pat
     assert "no intact checkpoint; starting from the base model" in out
     steps_by_number(run_dir)  # every redone step agrees with its first record
     assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def test_resume_with_another_model_is_a_one_line_error(straight, tmp_path):
+    """Intact checkpoints of a different architecture: exit 2 with one line, no traceback, and
+    the checkpoints are left as they were."""
+    import json
+
+    from hpcrl.rl.tiny import build_tiny_model
+
+    run_dir = tmp_path / "other-model"
+    shutil.copytree(straight, run_dir)
+    config = json.loads((run_dir / "trainer.json").read_text())
+    other = build_tiny_model(tmp_path / "wider", hidden_size=48, layers=1, heads=2, max_int=config["tiny_max_int"])
+    (run_dir / "trainer.json").write_text(json.dumps({**config, "model": str(other)}))
+    before = {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()}
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hpcrl.rl: error: a checkpoint does not fit the model"), err
+    assert "Traceback" not in err
+    assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()} == before
