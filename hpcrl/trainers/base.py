@@ -9,6 +9,23 @@ from .. import protocol
 from ..errors import SpecError, did_you_mean, one_of
 
 
+def check_override_keys(overrides, pattern, key_group: int, owned, example: str) -> list[str]:
+    """The keys of args.overrides, a list of 'key=value' strings matching `pattern` (the key in
+    group key_group); one-line SpecError for anything else or for a key hpcrl sets itself."""
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise SpecError(f"args.overrides: expected a list of 'key=value' strings, got {overrides!r}")
+    keys = []
+    for ov in overrides:
+        m = pattern.match(ov)
+        if not m:
+            raise SpecError(f"args.overrides: '{ov}' is not key=value, e.g. {example}")
+        if m.group(key_group) in owned:
+            raise SpecError(f"args.overrides: '{m.group(key_group)}' is set by hpcrl (resume, placement or "
+                            f"walltime); use the matching args key or leave it out")
+        keys.append(m.group(key_group))
+    return keys
+
+
 @dataclass
 class TrainerContext:
     """Everything an adapter may use to build its command line for one run.

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from ..errors import SpecError, did_you_mean, one_of
-from .base import Trainer, TrainerContext
+from .base import Trainer, TrainerContext, check_override_keys
 
 MAXTEXT_VERSION = "0.2.5"
 MODULE = "maxtext.trainers.post_train.rl.train_rl"
@@ -183,15 +183,7 @@ def installed_config_keys() -> set[str] | None:
 
 
 def check_user_overrides(overrides, known: set[str] | None) -> list[str]:
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise SpecError(f"args.overrides: expected a list of 'key=value' strings, got {overrides!r}")
-    for ov in overrides:
-        m = _KEY.match(ov)
-        if not m:
-            raise SpecError(f"args.overrides: '{ov}' is not key=value, e.g. eval_interval=20")
-        key = m.group(1)
-        if key in OWNED_KEYS:
-            raise SpecError(f"args.overrides: '{key}' is set by hpcrl; use the matching args key or leave it out")
+    for key in check_override_keys(overrides, _KEY, 1, OWNED_KEYS, "eval_interval=20"):
         if known is not None and key not in known:
             raise SpecError(f"args.overrides: '{key}' is not a key of MaxText {MAXTEXT_VERSION}'s RL config"
                             f"{did_you_mean(key, known)}; see maxtext/configs/post_train/rl.yml")

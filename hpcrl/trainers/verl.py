@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 from ..errors import SpecError, one_of
-from .base import Trainer, TrainerContext
+from .base import Trainer, TrainerContext, check_override_keys
 
 VERL_VERSION = "0.9.1"
 HYDRA_PINS = ("hydra-core==1.3.2", "omegaconf==2.3.0", "antlr4-python3-runtime==4.9.3")
@@ -302,16 +302,8 @@ def _placeholder_ctx(args) -> TrainerContext:
 
 
 def check_user_overrides(overrides) -> list[str]:
-    """args.overrides must be 'key=value' strings that leave hpcrl's own keys alone."""
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise SpecError(f"args.overrides: expected a list of 'key=value' strings, got {overrides!r}")
-    for ov in overrides:
-        m = _OVERRIDE.match(ov)
-        if not m:
-            raise SpecError(f"args.overrides: '{ov}' is not a Hydra override; write key=value, e.g. trainer.test_freq=50")
-        if m.group(2) in OWNED_KEYS:
-            raise SpecError(f"args.overrides: '{m.group(2)}' is set by hpcrl (resume, placement or walltime); "
-                            f"use the matching args key or leave it out")
+    """args.overrides must be Hydra 'key=value' strings that leave hpcrl's own keys alone."""
+    check_override_keys(overrides, _OVERRIDE, 2, OWNED_KEYS, "trainer.test_freq=50 (a Hydra override)")
     return list(overrides)
 
 
