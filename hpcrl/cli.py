@@ -59,45 +59,50 @@ def cmd_submit(ns) -> int:
     print(f"submitted run {run.id} (job {job}) on site {state['site']}")
     print(f"  run dir: {run.dir}")
     print(f"  watch:   hpcrl status {run.id}   |   hpcrl logs {run.id} -f")
-    if state.get("scheduler") == "tpu":  # [tpu] nothing inside a TPU VM can start the next one
-        print(f"  keep `hpcrl watch {run.id}` running (e.g. under nohup): it starts each next segment and "
-              "re-creates preempted VMs")
+    for line in launch.submit_hint(run):
+        print(line)
     return 0
 
 
 def cmd_status(ns) -> int:
     from . import report, runs
 
-    def refresh(run):
+    def refresh_many(active):
         from . import launch  # only for active runs: it loads the scheduler backends
 
-        return launch.refresh(run)
+        return launch.refresh_many(active)
+
+    def note(run, state):
+        from . import launch
+
+        return launch.backend_for(run).status_note(run, state)
 
     if ns.run:
-        run = runs.Run.by_id(ns.run)
-        state = refresh(run)
-        rows = [(run, state, report.summary(run, state))]
+        rows = report.status_rows([runs.Run.by_id(ns.run).id], refresh_many, note)
     else:
-        rows = report.status_rows(runs.registered_ids(), refresh)
+        rows = report.status_rows(runs.registered_ids(), refresh_many, note)
     if ns.json:
         print(json.dumps([r[2] for r in rows], indent=1))
     elif ns.run:
-        print(report.detail(*rows[0]))
+        run = runs.Run.by_id(ns.run)
+        print(report.detail(run, run.state(), rows[0][2]))
     elif not rows:
         print("no runs yet: `hpcrl submit --trainer smoke --hours 0.01` tries the whole chain locally")
     else:
         print(report.format_table([report.table_row(r[2]) for r in rows], colour=sys.stdout.isatty()))
+        for r in rows:
+            if r[2].get("note"):
+                print(f"{r[2]['id']}: {r[2]['note']}")
     return 0
 
 
 def cmd_logs(ns) -> int:
-    from . import report, runs, watch
+    from . import report, runs
+
+    from . import launch
 
     run = runs.Run.by_id(ns.run)
-    if watch.is_watched_backend(run):  # [tpu] the watcher's tick copies a TPU run's logs from its bucket
-        watch.refresh(run)
-        if ns.follow:
-            watch.follow_in_background(run, interval_s=ns.interval)
+    launch.follow(run, interval_s=ns.interval, keep_going=ns.follow)  # e.g. TPU: logs copied from the bucket
     index = report.pick_segment(run.state(), ns.segment)
     try:
         report.follow(run, index, sys.stdout, follow_on=ns.follow)
@@ -106,13 +111,48 @@ def cmd_logs(ns) -> int:
     return 0
 
 
+def _watch_line(run, state) -> str:
+    import time
+
+    from . import launch, report
+
+    row = report.summary(run, state, launch.backend_for(run).status_note(run, state))
+    ckpt = "-" if row["checkpoint_step"] is None else str(row["checkpoint_step"])
+    line = (f"{time.strftime('%H:%M:%S')} {row['state']} segment {row['segments']}/{row['segments_planned']} "
+            f"job {row['job_id'] or '-'} step {row['step'] if row['step'] is not None else '-'} checkpoint {ckpt}")
+    reason = "; ".join(x for x in (row["reason"], row.get("note")) if x)
+    return f"{line}: {reason}" if reason else line
+
+
 def cmd_watch(ns) -> int:
-    from . import watch
+    """Reconcile until the run ends (or once); print a line whenever what it shows changes. Exit
+    status: 0 when the run COMPLETED (or after --once), 1 when it ended any other way."""
+    import time
+
+    from . import launch, lifecycle, runs
 
     if ns.interval <= 0:
         raise HpcrlError(f"--interval {ns.interval}: must be a positive number of seconds")
+    run = runs.Run.by_id(ns.run)
+    backend, last = launch.backend_for(run), None
     try:
-        return watch.watch(ns.run, interval_s=ns.interval, once=ns.once)
+        while True:
+            try:
+                state = launch.reconcile(run, ns.interval)
+            except HpcrlError as e:
+                if ns.once:
+                    raise
+                print(f"hpcrl: warning: {e}", file=sys.stderr, flush=True)  # e.g. a network blip: keep watching
+                state = run.state()
+            line = _watch_line(run, state)
+            if line.split(" ", 1)[1] != (last or " ").split(" ", 1)[1]:
+                print(line, flush=True)
+                last = line
+            if ns.once:
+                return 0
+            if not lifecycle.is_active(state) and backend.settled(run):
+                return 0 if state["state"] == lifecycle.RunState.COMPLETED else 1
+            time.sleep(ns.interval)
     except KeyboardInterrupt:
         return 130
 
@@ -172,7 +212,9 @@ def cmd_segment(ns) -> int:
     if ns.phase == "begin":
         started = launch.segment_begin(ns.run_dir, ns.job_id)
         if started is None:
-            return launch.NOTHING_TO_DO
+            from .protocol import EXIT_NOTHING_TO_DO
+
+            return EXIT_NOTHING_TO_DO
         print(f"{started[0]} {started[1]:.3f}")
     else:
         launch.segment_end(ns.run_dir, ns.job_id, ns.rc)

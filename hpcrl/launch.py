@@ -1,10 +1,17 @@
 """Orchestration of a run's lifecycle: the only caller of backends.
 
+The rules live in hpcrl.lifecycle (pure, on a clock); this module gathers what they need (the
+checkpoint step from the trainer adapter, the state under the run's lock), calls them, and
+carries out the actions they return with the run's backend:
+
 submit -> segment 1 queued. Each segment, when it starts (`segment_begin`, called by the job
 script), records itself and queues exactly one successor behind it (afterany); when its trainer
-exits (`segment_end`) it records the outcome and decides: complete, stop (budget, max_segments,
-crash loop, cancel) — then the queued successor is cancelled — or continue, and the successor
-runs. A successor that starts for a run with nothing left to do exits at once.
+exits (`segment_end`) it records the outcome and the chain completes, stops (budget,
+max_segments, crash loop, cancel: the queued successor is cancelled) or continues. A successor
+that starts for a run with nothing left to do exits at once. Backends that cannot queue from
+inside a job reconcile from outside (`Backend.reconcile`, given `WatcherOps`).
+
+`clock` is the one source of `now` here (tests replace it).
 """
 
 from __future__ import annotations
@@ -16,63 +23,98 @@ import sys
 import time
 from pathlib import Path
 
-from . import protocol, runs
-from .backends import get_backend
+from . import lifecycle, protocol, runs
+from .atomicio import atomic_write_json, atomic_write_text
+from .backends import for_site
 from .errors import BackendError, RunError, SpecError
+from .lifecycle import Cancel, Queue, Stop
 from .paths import hpcrl_home
-from .render import RunPaths, expand_path, render_script, requirements, trainer_context
-from .runs import Run
+from .render import ScriptParts, expand_path, render_script, venv_path
+from .runs import Run, RunLayout
 from .trainers import get_trainer
+from .trainers.base import TrainerContext
 
-NOTHING_TO_DO = 3  # exit status of `_segment begin` when the run needs no more segments
+clock = time.time
 
 
-# ---------------------------------------------------------------- planning and submission
+# ---------------------------------------------------------------- planning and rendering
 
 
 def default_run_id(name: str) -> str:
-    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(clock()))}"
 
 
-def run_paths(resolved: dict, run_id: str) -> RunPaths:
+def run_dir_for(resolved: dict, run_id: str) -> Path:
     site = resolved["site"]
     outputs = expand_path(site.get("outputs") or str(hpcrl_home() / "runs"), site, "outputs")
-    if not os.path.isabs(outputs):
-        outputs = os.path.abspath(outputs)
-    return RunPaths(run_id=run_id, run_dir=Path(outputs) / run_id,
-                    hpcrl_python=site.get("hpcrl_python") or sys.executable)
+    return Path(os.path.abspath(outputs)) / run_id
 
 
 def _site_backend(resolved: dict):
     """The site's backend, after it filled in the site values it knows (TPU: gcloud's config)."""
-    backend = get_backend(resolved["site"]["scheduler"], resolved["site"])
+    backend = for_site(resolved["site"])
     backend.complete_site(resolved["site"])
     return backend
+
+
+def requirements(resolved: dict) -> list[str]:
+    spec, site = resolved["spec"], resolved["site"]
+    return list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"])
+
+
+def trainer_context(resolved: dict, run_id: str, layout: RunLayout) -> TrainerContext:
+    spec = resolved["spec"]
+    return TrainerContext(run_id=run_id, run_dir=layout.root, ckpt_dir=layout.checkpoints, args=spec["args"],
+                          site=resolved["site"], resources=spec["resources"])
+
+
+def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
+    """The segment script: each piece from its owner, put together by render."""
+    from .shell import TRAINER_PY
+
+    site = resolved["site"]
+    backend = for_site(site)
+    layout = backend.job_layout(run_id, RunLayout(run_dir))
+    trainer = get_trainer(resolved["spec"]["trainer"])
+    ctx = trainer_context(resolved, run_id, layout)
+    ctx.python = TRAINER_PY
+    return render_script(ScriptParts(
+        run_id=run_id, site=site, spec_env=resolved["spec"].get("env", {}), layout=layout,
+        header=backend.directives(resolved, run_id, layout), job_id_line=backend.job_id_line(),
+        hpcrl_python=site.get("hpcrl_python") or sys.executable, command=trainer.command(ctx),
+        trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
+        venv=venv_path(site, requirements(resolved)), nothing_to_do=protocol.EXIT_NOTHING_TO_DO))
 
 
 def render(resolved: dict, run_id: str | None = None) -> str:
     """What submit would send: the same code path, without writing or submitting anything."""
     backend = _site_backend(resolved)
     run_id = run_id or default_run_id(resolved["spec"]["name"])
-    return backend.dry_run(resolved, run_id, render_script(resolved, run_paths(resolved, run_id)))
+    return backend.dry_run(resolved, run_id, script_for(resolved, run_id, run_dir_for(resolved, run_id)))
 
 
-def _write_run_dir(tmp: Path, resolved: dict, paths: RunPaths, script: str) -> None:
-    trainer = get_trainer(resolved["spec"]["trainer"])
-    (tmp / "logs").mkdir(parents=True)
-    (tmp / "checkpoints").mkdir()
-    (tmp / "spec.json").write_text(json.dumps(resolved, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    (tmp / "job.sh").write_text(script, encoding="utf-8")
-    os.chmod(tmp / "job.sh", 0o755)
+# ---------------------------------------------------------------- creating and submitting
+
+
+def _write_run_dir(tmp: Path, final: Path, resolved: dict, run_id: str, script: str) -> None:
+    lay, trainer = RunLayout(tmp), get_trainer(resolved["spec"]["trainer"])
+    lay.logs.mkdir(parents=True)
+    lay.checkpoints.mkdir()
+    lay.spec.write_text(json.dumps(runs.frozen_spec(resolved), indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    lay.script.write_text(script, encoding="utf-8")
+    os.chmod(lay.script, 0o755)
     reqs = requirements(resolved)
     if reqs:
-        (tmp / "requirements.txt").write_text("\n".join(reqs) + "\n", encoding="utf-8")
-    for name, text in trainer.files(trainer_context(resolved, paths)).items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_text(text, encoding="utf-8")
+        lay.requirements.write_text("\n".join(reqs) + "\n", encoding="utf-8")
+    job_layout = for_site(resolved["site"]).job_layout(run_id, RunLayout(final))
+    for name, text in trainer.files(trainer_context(resolved, run_id, job_layout)).items():
+        lay.file(name).parent.mkdir(parents=True, exist_ok=True)
+        lay.file(name).write_text(text, encoding="utf-8")
     pkg = Path(__file__).resolve().parent
-    shutil.copytree(pkg, tmp / "lib" / "hpcrl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    protocol.atomic_write_json(tmp / "state.json", runs.new_state(paths.run_id, resolved))
+    shutil.copytree(pkg, lay.lib / "hpcrl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    site, spec = resolved["site"], resolved["spec"]
+    atomic_write_json(lay.state, lifecycle.new_state(run_id, site["name"], site["scheduler"], spec["trainer"],
+                                                     spec["budget"], clock()))
 
 
 def create_run(resolved: dict, run_id: str | None = None) -> Run:
@@ -80,52 +122,65 @@ def create_run(resolved: dict, run_id: str | None = None) -> Run:
     run_id = run_id or default_run_id(resolved["spec"]["name"])
     if run_id in runs.registered_ids():
         raise RunError(f"run '{run_id}' already exists; `hpcrl resume {run_id}` continues it, or pick another --name")
-    paths = run_paths(resolved, run_id)
-    script = render_script(resolved, paths)
-    if paths.run_dir.exists():
-        raise RunError(f"run directory {paths.run_dir} already exists; pick another --name")
+    run_dir = run_dir_for(resolved, run_id)
+    script = script_for(resolved, run_id, run_dir)
+    if run_dir.exists():
+        raise RunError(f"run directory {run_dir} already exists; pick another --name")
     try:
-        paths.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunError(f"cannot create the outputs directory {paths.run_dir.parent}: {e.strerror}") from None
-    tmp = paths.run_dir.parent / f".tmp-{run_id}-{os.getpid()}"
+        raise RunError(f"cannot create the outputs directory {run_dir.parent}: {e.strerror}") from None
+    tmp = run_dir.parent / f".tmp-{run_id}-{os.getpid()}"
     try:
-        _write_run_dir(tmp, resolved, paths, script)
-        os.rename(tmp, paths.run_dir)
+        _write_run_dir(tmp, run_dir, resolved, run_id, script)
+        os.rename(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    runs.register(run_id, paths.run_dir)
-    return Run(paths.run_dir)
+    runs.register(run_id, run_dir)
+    return Run(run_dir)
 
 
 def submit(resolved: dict, run_id: str | None = None) -> Run:
-    _site_backend(resolved)
+    backend = _site_backend(resolved)
     run = create_run(resolved, run_id)
     try:
         with run.locked() as state:
-            runs.add_event(state, "submitted")
-            _queue_segment(run, state, after=None)
+            lifecycle.add_event(state, "submitted", clock())
+            _carry_out(run, state, [Queue(after=None)])
     except BaseException:
         # Nothing was queued: leave no half-created run behind.
         runs.unregister(run.id)
         shutil.rmtree(run.dir, ignore_errors=True)
         raise
-    _publish_state(run)  # [tpu]
+    backend.after_change(run)
     return run
 
 
+def submit_hint(run: Run) -> list[str]:
+    return backend_for(run).submit_hint(run.id)
+
+
 def backend_for(run: Run):
-    spec = run.spec()
-    return get_backend(spec["site"]["scheduler"], spec["site"])
+    return for_site(run.spec()["site"])
 
 
-def _queue_segment(run: Run, state: dict, after: str | None) -> dict:
-    """Submit one more job of the run (inside the run's lock) and record it as QUEUED."""
-    job_id = backend_for(run).submit(run.dir / "job.sh", run.dir, run.id, after=after)
-    seg = {"job_id": str(job_id), "state": runs.SEG_QUEUED, "submitted": time.time(), "after": after}
-    state["segments"].append(seg)
-    return seg
+def _carry_out(run: Run, state: dict, actions: list, backend=None) -> list[str]:
+    """Execute the lifecycle's actions inside the run's lock; the job ids queued. A failing
+    submit raises BackendError (the caller decides what that means); cancels are best effort
+    only where the caller says so."""
+    backend = backend or backend_for(run)
+    queued = []
+    for action in actions:
+        if isinstance(action, Queue):
+            resolved = run.spec()
+            resolved["spec"]["budget"] = dict(state["budget"])  # as it is now, not as last committed
+            job_id = backend.submit(run, resolved, after=action.after)
+            lifecycle.queued(state, job_id, action.after, clock())
+            queued.append(str(job_id))
+        elif isinstance(action, Cancel) and action.job_ids:
+            backend.cancel(list(action.job_ids), run)
+    return queued
 
 
 # ---------------------------------------------------------------- inside the job
@@ -135,41 +190,8 @@ def _trainer(run: Run, spec: dict | None = None):
     return get_trainer((spec or run.spec())["spec"]["trainer"])
 
 
-def _ckpt_step(run: Run, spec: dict | None = None) -> int | None:
-    return _trainer(run, spec).checkpoint_step(run.dir, run.dir / "checkpoints")
-
-
-def _close_lost_segments(run: Run, state: dict, except_job: str, step: int | None) -> None:
-    # A segment still marked RUNNING when another starts ended without its end hook (node
-    # failure, hard cancel, OOM of the batch shell): close it with what its checkpoints show.
-    for seg in state["segments"]:
-        if seg["state"] == runs.SEG_RUNNING and seg.get("job_id") != except_job:
-            _mark_lost(state, seg, step, "ended without its end hook")
-
-
-def _mark_lost(state: dict, seg: dict, step: int | None, why: str) -> None:
-    """A running segment whose job ended without its end hook: judged by its checkpoints."""
-    seg.update(state=runs.SEG_LOST, ended=time.time(), end_step=step, rc=None, reason=why)
-    _count_progress(state, seg)
-    runs.add_event(state, f"segment {seg.get('k') or '-'} (job {seg.get('job_id')}) {why}")
-
-
-def _count_progress(state: dict, seg: dict) -> None:
-    start, end = seg.get("start_step"), seg.get("end_step")
-    progressed = end is not None and (start is None or end > start)
-    state["no_progress"] = 0 if progressed else state.get("no_progress", 0) + 1
-
-
-def _stop_reason(state: dict) -> str | None:
-    """Why the chain must not run another segment (counting those started so far), or None."""
-    budget = state["budget"]
-    if state["no_progress"] >= 2:
-        return "crash loop"
-    if budget.get("total_hours") is not None and runs.used_hours(state) >= budget["total_hours"] - 1e-9:
-        return f"budget spent ({runs.used_hours(state):.2f} of {budget['total_hours']:g} h)"
-    if runs.ran_segments(state) >= budget["max_segments"]:
-        return f"max_segments reached ({budget['max_segments']})"
-    return None
+def checkpoint_step(run: Run, spec: dict | None = None, remote: bool = False) -> int | None:
+    return _trainer(run, spec).checkpoint_step(run.dir, run.layout.checkpoints, remote=remote)
 
 
 def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float] | None:
@@ -177,106 +199,54 @@ def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float] 
     environ = os.environ if environ is None else environ
     run = Run(Path(run_dir))
     spec = run.spec()
-    backend = get_backend(spec["site"]["scheduler"], spec["site"])
-    step = _ckpt_step(run, spec)
+    backend = for_site(spec["site"])
+    step = checkpoint_step(run, spec, remote=True)
     with run.locked() as state:
-        seg = runs.segment_by_job(state, job_id)
-        if seg is None:  # a job the user submitted by hand (sbatch job.sh): adopt it
-            seg = {"job_id": str(job_id), "submitted": time.time(), "after": None}
-            state["segments"].append(seg)
-        _close_lost_segments(run, state, str(job_id), step)
-        reason = None if state["state"] in runs.ACTIVE_STATES else state["state"].lower()
-        reason = reason or _stop_reason(state)
-        if reason:
-            seg.update(state=runs.SEG_SKIPPED, started=None, ended=time.time(), reason=reason)
-            _finish_run(run, state, reason)
+        seg, actions = lifecycle.begin(state, str(job_id), step, clock(),
+                                       chains=not backend.reconciles_outside_job)
+        if seg["state"] == lifecycle.SegState.SKIPPED:
+            _carry_out(run, state, actions, backend)
             return None
-        seg.update(state=runs.SEG_RUNNING, started=time.time(), start_step=step, k=runs.ran_segments(state) + 1)
-        state["state"], state["reason"] = runs.RUNNING, ""
-        runs.add_event(state, f"segment {seg['k']} started (job {job_id})")
-        if backend.chains_successors and _stop_reason(state) is None:
-            try:
-                _queue_segment(run, state, after=str(job_id))
-            except BackendError as e:
-                # This segment still runs; segment_end tries again to queue the next one.
-                runs.add_event(state, f"could not queue the successor: {e}")
-    return seg["k"], _job_end(backend, run, str(job_id), environ, spec) - float(spec["site"]["exit_margin_s"])
+        try:
+            _carry_out(run, state, actions, backend)
+        except BackendError as e:
+            lifecycle.successor_failed(state, str(e), clock())  # segment_end tries again
+        hours = state["budget"]["hours"]
+    return seg["k"], _job_end(backend, run, str(job_id), environ, hours) - float(spec["site"]["exit_margin_s"])
 
 
-def _job_end(backend, run: Run, job_id: str, environ, spec: dict) -> float:
+def _job_end(backend, run: Run, job_id: str, environ, hours: float) -> float:
     """The job's real end time from its scheduler; the walltime from now if it cannot say."""
     try:
-        end = backend.end_time(job_id, run.dir, environ)
+        end = backend.end_time(job_id, run, environ)
     except BackendError as e:
         print(f"hpcrl: warning: cannot read the job's end time ({e}); assuming the full walltime", file=sys.stderr)
         end = None
-    return end or time.time() + spec["spec"]["budget"]["hours"] * 3600
-
-
-def _finish_run(run: Run, state: dict, reason: str) -> None:
-    """Stop the chain: set the final state (unless already final) and cancel queued successors."""
-    if state["state"] not in runs.FINAL_STATES:
-        if reason == "crash loop":
-            state["state"] = runs.FAILED
-            state["reason"] = f"no checkpoint progress in 2 segments in a row; last error: {error_tail(run, state)}"
-        else:
-            state["state"], state["reason"] = runs.STOPPED, reason
-        runs.add_event(state, f"run {state['state'].lower()}: {state['reason']}")
-    queued = [s for s in state["segments"] if s["state"] == runs.SEG_QUEUED]
-    for s in queued:
-        s.update(state=runs.SEG_CANCELLED, ended=time.time())
-    if queued:
-        backend_for(run).cancel([s["job_id"] for s in queued], run_dir=run.dir)
+    return end or clock() + hours * 3600
 
 
 def segment_end(run_dir: str, job_id: str, rc: int) -> None:
     """Record the trainer's exit and decide whether the chain goes on."""
     run = Run(Path(run_dir))
-    step = _ckpt_step(run)
+    spec = run.spec()
+    backend = for_site(spec["site"])
+    step = checkpoint_step(run, spec, remote=True)
     with run.locked() as state:
-        seg = runs.segment_by_job(state, job_id)
-        if seg is None or seg["state"] != runs.SEG_RUNNING:
-            return
-        seg.update(ended=time.time(), rc=rc, end_step=step)
-        (run.dir / ".checkpointing").unlink(missing_ok=True)
-        if rc == protocol.EXIT_COMPLETE:
-            seg["state"] = runs.SEG_COMPLETE
-            if state["state"] in runs.ACTIVE_STATES:
-                state["state"], state["reason"] = runs.COMPLETED, "training complete"
-            runs.add_event(state, f"segment {seg['k']} completed the training")
-            _finish_run(run, state, "training complete")
-            return
-        _count_progress(state, seg)
-        # A trainer that knows no protocol (MaxText) is killed at the walltime: a segment that
-        # advanced its checkpoint is a continuation, whatever its exit code.
-        ok = rc == protocol.EXIT_CONTINUE or (not _trainer(run).obeys_protocol and state["no_progress"] == 0)
-        seg["state"] = runs.SEG_CONTINUE if ok else runs.SEG_FAILED
-        runs.add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}")
-        reason = None if state["state"] in runs.ACTIVE_STATES else state["state"].lower()
-        reason = reason or _stop_reason(state)
-        if reason:
-            _finish_run(run, state, reason)
-        elif any(s["state"] == runs.SEG_QUEUED for s in state["segments"]):
-            state["state"] = runs.RESUBMITTED
-        elif backend_for(run).chains_successors:
-            try:
-                _queue_segment(run, state, after=str(job_id))
-                state["state"] = runs.RESUBMITTED
-            except BackendError as e:
-                state["state"], state["reason"] = runs.STOPPED, f"could not queue the next segment ({e}); `hpcrl resume {run.id}`"
-                runs.add_event(state, state["reason"])
-        else:
-            # A backend that cannot queue from inside the job (TPU VMs): its watcher starts the
-            # next segment when it sees this state.
-            state["state"], state["reason"] = runs.RESUBMITTED, "waiting for the next segment to be started"
+        actions = lifecycle.end(state, str(job_id), rc, step, clock(), obeys_protocol=_trainer(run, spec).obeys_protocol,
+                                chains=not backend.reconciles_outside_job, exit_complete=protocol.EXIT_COMPLETE,
+                                exit_continue=protocol.EXIT_CONTINUE, error_tail=lambda: error_tail(run, state))
+        run.layout.checkpointing_flag.unlink(missing_ok=True)
+        try:
+            _carry_out(run, state, actions, backend)
+        except BackendError as e:
+            lifecycle.queue_failed(state, str(e), clock())
 
 
 def error_tail(run: Run, state: dict, lines: int = 3) -> str:
     """The last lines of the newest segment log that are the trainer's own (not hpcrl's)."""
     for seg in reversed(state["segments"]):
-        log = run.dir / "logs" / f"job-{seg.get('job_id')}.log"
         try:
-            text = log.read_text(encoding="utf-8", errors="replace")
+            text = run.layout.log(seg.get("job_id")).read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
         keep = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("hpcrl:")]
@@ -291,47 +261,10 @@ def error_tail(run: Run, state: dict, lines: int = 3) -> str:
 def cancel(run_id: str) -> Run:
     run = Run.by_id(run_id)
     with run.locked() as state:
-        if state["state"] in runs.FINAL_STATES:
-            raise RunError(f"run '{run_id}' is already {state['state']}; nothing to cancel")
-        state["state"], state["reason"] = runs.CANCELLED, "cancelled by the user"
-        runs.add_event(state, "cancelled by the user")
-        live = [s for s in state["segments"] if s["state"] in (runs.SEG_QUEUED, runs.SEG_RUNNING)]
-        for s in live:
-            if s["state"] == runs.SEG_QUEUED:
-                s.update(state=runs.SEG_CANCELLED, ended=time.time())
-    if live:
-        backend_for(run).cancel([s["job_id"] for s in live], run_dir=run.dir)
-    return run
-
-
-def resume(run_id: str, hours: float | None = None, total_hours: float | None = None,
-           max_segments: int | None = None) -> Run:
-    """Continue a stopped, cancelled or failed run from its last good checkpoint."""
-    run = Run.by_id(run_id)
-    refresh(run)
-    if hours is not None:
-        _rerender(run, hours)
-    with run.locked() as state:
-        if state["state"] in runs.ACTIVE_STATES:
-            raise RunError(f"run '{run_id}' is {state['state']}; it continues by itself (hpcrl cancel {run_id} to stop it)")
-        if state["state"] == runs.COMPLETED:
-            raise RunError(f"run '{run_id}' is COMPLETED; start a new run to train further")
-        budget = state["budget"]
-        if total_hours is not None:
-            budget["total_hours"] = _positive(total_hours, "--total-hours")
-        if max_segments is not None:
-            budget["max_segments"] = int(_positive(max_segments, "--max-segments"))
-        if hours is not None:
-            budget["hours"] = hours
-        state["no_progress"] = 0
-        reason = _stop_reason(state)
-        if reason:
-            fix = "--max-segments" if reason.startswith("max_segments") else "--total-hours"
-            raise RunError(f"run '{run_id}': {reason}; give it more with `hpcrl resume {run_id} {fix} N`")
-        state["state"], state["reason"] = runs.PENDING, "resumed"
-        runs.add_event(state, "resumed by the user")
-        _queue_segment(run, state, after=None)
-    _publish_state(run)  # [tpu]
+        actions = lifecycle.cancel(state, clock())
+    cancels = [j for a in actions if isinstance(a, Cancel) for j in a.job_ids]
+    if cancels:
+        backend_for(run).cancel(cancels, run)
     return run
 
 
@@ -341,91 +274,133 @@ def _positive(value, flag: str) -> float:
     return value
 
 
-def _rerender(run: Run, hours: float) -> None:
-    from .spec import _validate_qos
+def resume(run_id: str, hours: float | None = None, total_hours: float | None = None,
+           max_segments: int | None = None) -> Run:
+    """Continue a stopped, cancelled or failed run from its last good checkpoint. New hours
+    change the budget record in state.json (its one owner) and the job script, together."""
+    run = Run.by_id(run_id)
+    backend = backend_for(run)
+    reconcile(run, interval_s=60.0)
+    if hours is not None:
+        _positive(hours, "--hours")
+        resolved = run.spec()
+        resolved["spec"]["budget"]["hours"] = hours
+        from .spec import _validate_qos
 
-    resolved = run.spec()
-    resolved["spec"]["budget"]["hours"] = _positive(hours, "--hours")
-    _validate_qos(resolved["site"], hours)
-    paths = RunPaths(run.id, run.dir, resolved["site"].get("hpcrl_python") or sys.executable)
-    protocol.atomic_write_text(run.dir / "job.sh", render_script(resolved, paths), mode=0o755)
+        _validate_qos(resolved["site"], hours)
+    if total_hours is not None:
+        _positive(total_hours, "--total-hours")
+    if max_segments is not None:
+        max_segments = int(_positive(max_segments, "--max-segments"))
+    with run.locked() as state:
+        actions = lifecycle.resume(state, clock(), hours, total_hours, max_segments)
+        if hours is not None:
+            resolved = run.spec()
+            resolved["spec"]["budget"] = dict(state["budget"])
+            atomic_write_text(run.layout.script, script_for(resolved, run.id, run.dir), mode=0o755)
+        _carry_out(run, state, actions, backend)
+    backend.after_change(run)
+    return run
+
+
+# ---------------------------------------------------------------- reconciling
 
 
 def refresh(run: Run) -> dict:
-    """Reconcile an active run with its scheduler: a chain with no live job left is STOPPED."""
-    # [tpu] A backend that cannot chain successors has a watcher that owns this reconciliation
-    # (start the next segment, re-create a preempted VM, close a deleted one): one step of it.
-    if not backend_for(run).chains_successors:
-        from . import watch
+    """Reconcile one active run with its scheduler (see refresh_many)."""
+    return refresh_many([run])[run.id]
 
-        return watch.refresh(run)
-    state = run.state()
-    if state["state"] not in runs.ACTIVE_STATES:
-        return state
-    live = [s for s in state["segments"] if s["state"] in (runs.SEG_QUEUED, runs.SEG_RUNNING)]
+
+def refresh_many(run_list: list[Run]) -> dict[str, dict]:
+    """Reconcile active runs with their schedulers: a chain with no live job left is STOPPED.
+
+    One batched `poll` per backend for every live job of every run (status costs O(1) scheduler
+    calls however many runs there are). Runs whose backend reconciles outside the job (TPU) are
+    left as their watcher last saw them: `status` never waits on the network.
+    """
+    out, groups = {}, {}
+    for run in run_list:
+        state = run.state()
+        out[run.id] = state
+        if not lifecycle.is_active(state):
+            continue
+        site = run.spec()["site"]
+        backend = for_site(site)
+        if backend.reconciles_outside_job:
+            continue
+        key = (site["scheduler"], site["name"])
+        groups.setdefault(key, (backend, []))[1].append((run, state))
+    for backend, members in groups.values():
+        jobs = [(run, s["job_id"]) for run, state in members for s in lifecycle.live_segments(state)]
+        try:
+            infos = backend.poll(jobs) if jobs else {}
+        except Exception:  # a scheduler hiccup must not break `status`; the next call retries
+            continue
+        for run, state in members:
+            live = lifecycle.live_segments(state)
+            if any(not infos[s["job_id"]].state.finished for s in live if s["job_id"] in infos):
+                continue
+            out[run.id] = _close_if_unchanged(run, state["segments"])
+    return out
+
+
+def _close_if_unchanged(run: Run, snapshot: list) -> dict:
+    step = checkpoint_step(run)
+    with run.locked() as state:
+        if lifecycle.is_active(state) and state["segments"] == snapshot:
+            lifecycle.no_live_jobs(state, step, clock())
+        # else something moved meanwhile (a segment's hook ran): trust it
+    return run.state()
+
+
+class WatcherOps:
+    """The lifecycle steps a backend's reconciler (Backend.reconcile) may take."""
+
+    def queue_next(self, run: Run) -> str | None:
+        """Queue the next segment of an active run with no live segment: its job id, or None when
+        the run must stop instead (budget, max_segments, crash loop) or needs nothing."""
+        backend = backend_for(run)
+        with run.locked() as state:
+            actions = lifecycle.next_segment(state, clock())
+            queued = _carry_out(run, state, actions, backend)
+            if queued:
+                state["state"], state["reason"] = lifecycle.RunState.RESUBMITTED.value, ""
+                lifecycle.add_event(state, f"next segment queued (job {queued[0]})", clock())
+        backend.after_change(run)
+        return queued[0] if queued else None
+
+    def close_segment(self, run: Run, job_id: str, why: str) -> None:
+        step = checkpoint_step(run)
+        with run.locked() as state:
+            lifecycle.close_segment(state, job_id, why, step, clock())
+
+    def fail(self, run: Run, kind: Stop, detail: str, **data) -> None:
+        with run.locked() as state:
+            lifecycle.fail(state, kind, detail, clock(), **data)
+
+    def refresh_checkpoint_cache(self, run: Run) -> None:
+        checkpoint_step(run, remote=True)
+
+
+def reconcile(run: Run, interval_s: float) -> dict:
+    """One step of keeping a run going: its backend's reconciler, or a plain refresh."""
+    backend = backend_for(run)
+    if backend.reconciles_outside_job:
+        return backend.reconcile(run, WatcherOps(), interval_s)
+    return refresh(run)
+
+
+def follow(run: Run, interval_s: float, keep_going: bool) -> None:
+    """Before `logs`: whatever the backend does to make the local logs current (a TPU run's are
+    copied from its bucket by a reconcile step), and with keep_going (-f) keeps doing it."""
+    from .errors import HpcrlError
+
+    backend = backend_for(run)
+    if not backend.reconciles_outside_job:
+        return
     try:
-        infos = backend_for(run).query([s["job_id"] for s in live], run_dir=run.dir) if live else {}
-    except Exception:  # a scheduler hiccup must not break `status`; the next call retries
-        return state
-    if any(not infos[s["job_id"]].state.finished for s in live if s["job_id"] in infos):
-        return state
-    snapshot = state["segments"]
-    step = _ckpt_step(run)
-    with run.locked() as state:
-        if state["state"] not in runs.ACTIVE_STATES or state["segments"] != snapshot:
-            return state  # something moved meanwhile (a segment's hook ran): trust it
-        for s in state["segments"]:
-            if s["state"] == runs.SEG_RUNNING:
-                s.update(state=runs.SEG_LOST, ended=time.time(), end_step=step)
-            elif s["state"] == runs.SEG_QUEUED:
-                s.update(state=runs.SEG_CANCELLED, ended=time.time())
-        state["state"] = runs.STOPPED
-        state["reason"] = f"no job left in the queue (ended outside hpcrl); `hpcrl resume {run.id}` continues it"
-        runs.add_event(state, state["reason"])
-    return state
-
-
-# ---------------------------------------------------------------- [tpu] for watchers
-# Backends that cannot queue a successor from inside a job (chains_successors = False: TPU VMs)
-# have a watcher outside the job (hpcrl/watch.py). These are the lifecycle steps it takes, with
-# the same rules as the in-job hooks above.
-
-
-def queue_next_segment(run: Run) -> str | None:
-    """Queue the next segment of an active run with no live segment: its job id, or None when
-    the run must stop instead (budget, max_segments, crash loop) or needs nothing."""
-    with run.locked() as state:
-        live = [s for s in state["segments"] if s["state"] in (runs.SEG_QUEUED, runs.SEG_RUNNING)]
-        if state["state"] not in runs.ACTIVE_STATES or live:
-            return None
-        reason = _stop_reason(state)
-        if reason:
-            _finish_run(run, state, reason)
-            return None
-        seg = _queue_segment(run, state, after=None)
-        state["state"], state["reason"] = runs.RESUBMITTED, ""
-        runs.add_event(state, f"next segment queued (job {seg['job_id']})")
-    _publish_state(run)
-    return seg["job_id"]
-
-
-def close_segment(run: Run, job_id: str, why: str) -> None:
-    """Close a segment whose job ended without its end hook (a preempted or deleted VM)."""
-    step = _ckpt_step(run)
-    with run.locked() as state:
-        seg = runs.segment_by_job(state, job_id)
-        if seg is None or seg["state"] not in (runs.SEG_QUEUED, runs.SEG_RUNNING):
-            return
-        if seg["state"] == runs.SEG_QUEUED:
-            seg.update(state=runs.SEG_CANCELLED, ended=time.time(), reason=why)
-            runs.add_event(state, f"segment - (job {job_id}) {why}")
-        else:
-            _mark_lost(state, seg, step, why)
-
-
-def _publish_state(run: Run) -> None:
-    # A job that reads the run's state from elsewhere (a TPU VM reads it from the bucket) gets
-    # the committed state.json once the lock is released.
-    publish = getattr(backend_for(run), "publish_state", None)
-    if publish:
-        publish(run.dir)
+        backend.reconcile(run, WatcherOps(), interval_s)
+    except HpcrlError:
+        pass  # a gcloud hiccup: print what is here
+    if keep_going:
+        backend.follow(run, WatcherOps(), interval_s)

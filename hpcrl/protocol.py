@@ -36,6 +36,7 @@ from pathlib import Path
 
 EXIT_COMPLETE = 0
 EXIT_CONTINUE = 85  # stopped for continuation (like Slurm's "requeue" convention of a named code)
+EXIT_NOTHING_TO_DO = 3  # `hpcrl _segment begin`: the run needs no more segments (the script exits 0)
 
 ENV_RUN_DIR = "HPCRL_RUN_DIR"
 ENV_CKPT_DIR = "HPCRL_CKPT_DIR"

@@ -1,15 +1,17 @@
-"""What `status` and `logs` show. Reads run directories; never imports the ML stack or YAML."""
+"""What `status` and `logs` show. Reads run directories; never imports the ML stack or YAML,
+and never waits on the network (reconciling is launch's, done before rows are drawn)."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from . import protocol, runs
+from . import lifecycle, protocol
+from .atomicio import atomic_write_json
 from .errors import HpcrlError
+from .lifecycle import RunState, SegState
 from .runs import Run
 
 STATE_COLOURS = {"RUNNING": "32", "CHECKPOINTING": "36", "RESUBMITTED": "36", "PENDING": "33",
@@ -19,11 +21,11 @@ STATE_COLOURS = {"RUNNING": "32", "CHECKPOINTING": "36", "RESUBMITTED": "36", "P
 def _ckpt_info(run: Run, trainer: str) -> tuple[int | None, float | None]:
     from .trainers import get_trainer  # launcher-side adapters only: no torch
 
-    ckpt_dir = run.dir / "checkpoints"
-    step = get_trainer(trainer).checkpoint_step(run.dir, ckpt_dir)
+    ckpt_dir = run.layout.checkpoints
+    step = get_trainer(trainer).checkpoint_step(run.dir, ckpt_dir, remote=False)
     if step is None:
         return None, None
-    path = ckpt_dir / protocol.checkpoint_name(step)
+    path = ckpt_dir / f"step-{step:08d}"  # hpcrl.ckptstore's name; other trainers: the dir's own time
     try:
         return step, (path if path.exists() else ckpt_dir).stat().st_mtime
     except OSError:
@@ -31,33 +33,32 @@ def _ckpt_info(run: Run, trainer: str) -> tuple[int | None, float | None]:
 
 
 def _display_state(run: Run, state: dict) -> str:
-    if state["state"] == runs.RUNNING and (run.dir / ".checkpointing").exists():
-        return runs.CHECKPOINTING
+    if state["state"] == RunState.RUNNING and run.layout.checkpointing_flag.exists():
+        return RunState.CHECKPOINTING.value
     return state["state"]
 
 
 def planned_segments(state: dict) -> int:
-    b = state["budget"]
-    if b.get("total_hours") and b.get("hours"):
-        return min(b["max_segments"], max(1, math.ceil(b["total_hours"] / b["hours"] - 1e-9)))
-    return b["max_segments"]
+    return lifecycle.planned_segments(state["budget"])
 
 
-def summary(run: Run, state: dict | None = None) -> dict:
-    """One run as a flat dict (the --json row and the table row)."""
+def summary(run: Run, state: dict | None = None, note: str | None = None) -> dict:
+    """One run as a flat dict (the --json row and the table row). note: a line the run's
+    backend adds (e.g. that no watcher keeps it going)."""
     state = state or run.state()
     ckpt_step, ckpt_time = _ckpt_info(run, state.get("trainer", "smoke"))
-    metrics = protocol.read_last_metrics(run.dir / protocol.METRICS_FILE)
-    live = [s for s in state["segments"] if s["state"] in (runs.SEG_RUNNING, runs.SEG_QUEUED)]
+    metrics = protocol.read_last_metrics(run.layout.metrics)
+    live = lifecycle.live_segments(state)
     started = [s for s in state["segments"] if s.get("started")]
     metric_name, metric = _headline_metric(metrics)
     return {
-        "id": run.id, "site": state["site"], "state": _display_state(run, state), "reason": state.get("reason", ""),
+        "id": run.id, "site": state["site"], "state": _display_state(run, state),
+        "reason": state.get("reason", ""), "note": note,
         "segments": len(started), "segments_planned": planned_segments(state),
         "job_id": (live[0]["job_id"] if live else (started[-1]["job_id"] if started else None)),
         "step": (metrics or {}).get("step"), "checkpoint_step": ckpt_step,
         "checkpoint_age_s": round(time.time() - ckpt_time, 1) if ckpt_time else None, "checkpoint_time": ckpt_time,
-        "used_hours": round(runs.used_hours(state, time.time()), 4), "total_hours": state["budget"].get("total_hours"),
+        "used_hours": round(lifecycle.used_hours(state, time.time()), 4), "total_hours": state["budget"].get("total_hours"),
         "metric_name": metric_name, "metric": metric, "run_dir": str(run.dir), "created": state.get("created"),
     }
 
@@ -77,37 +78,56 @@ def _load_cache() -> dict:
         return {}
 
 
-def status_rows(ids: list[str], refresh) -> list[tuple]:
+def _file_key(path) -> list[int]:
+    # inode, mtime_ns and size: a rewrite within one mtime tick still changes the inode (state.json
+    # is replaced by rename) or the size
+    st = os.stat(path)
+    return [st.st_ino, st.st_mtime_ns, st.st_size]
+
+
+def status_rows(ids: list[str], refresh_many, note=None) -> list[tuple]:
     """(run, state, row) for each run id; runs that are gone are skipped.
 
     A run in a final state changes only when resumed (which rewrites state.json), so its row is
-    cached in $HPCRL_HOME/status-cache.json keyed by state.json's mtime: with 1,000 finished runs
-    `status` costs one stat each. Active runs are read fresh and reconciled with their scheduler
-    through `refresh`.
+    cached in $HPCRL_HOME/status-cache.json keyed by state.json's inode, mtime and size: with
+    1,000 finished runs `status` costs one stat each. Active runs are read fresh and reconciled
+    with their schedulers by `refresh_many(runs) -> {id: state}`, once for all of them.
+    note(run, state): the backend's line for a run, or None.
     """
-    cache, fresh, out = _load_cache(), {}, []
+    cache, fresh, rows, active = _load_cache(), {}, {}, []
     for run_id in ids:
         hit = cache.get(run_id)
         if hit:
             try:
-                if os.stat(hit["row"]["run_dir"] + "/state.json").st_mtime_ns == hit["mtime_ns"]:
+                if _file_key(hit["row"]["run_dir"] + "/state.json") == hit["key"]:
                     fresh[run_id] = hit
-                    out.append((None, None, _aged(hit["row"])))
+                    rows[run_id] = (None, None, _aged(hit["row"]))
                     continue
-            except OSError:
+            except (OSError, KeyError, TypeError):
                 pass
         try:
             run = Run.by_id(run_id)
-            state = refresh(run) if run.state()["state"] in runs.ACTIVE_STATES else run.state()
-        except HpcrlError:
+            state = run.state()
+        except (HpcrlError, OSError, ValueError):
             continue  # a run whose directory was deleted
-        row = summary(run, state)
-        if state["state"] in runs.FINAL_STATES:
-            fresh[run_id] = {"mtime_ns": os.stat(run.dir / "state.json").st_mtime_ns, "row": row}
+        if lifecycle.is_active(state):
+            active.append(run)
+        rows[run_id] = (run, state, None)
+    states = refresh_many(active) if active else {}
+    out = []
+    for run_id in ids:
+        if run_id not in rows:
+            continue
+        run, state, row = rows[run_id]
+        if row is None:
+            state = states.get(run_id, state)
+            row = summary(run, state, note(run, state) if note else None)
+            if not lifecycle.is_active(state):
+                fresh[run_id] = {"key": _file_key(run.layout.state), "row": row}
         out.append((run, state, row))
     if fresh != cache:
         try:
-            protocol.atomic_write_json(_cache_path(), fresh)
+            atomic_write_json(_cache_path(), fresh)
         except OSError:
             pass  # a read-only home still gets a (slower) status
     return out
@@ -162,16 +182,18 @@ def detail(run: Run, state: dict, row: dict) -> str:
     out = [format_table([table_row(row)], colour=sys.stdout.isatty())]
     if row["reason"]:
         out.append(f"reason: {row['reason']}")
+    if row.get("note"):
+        out.append(f"note: {row['note']}")
     out.append("\nsegments:")
     out.append("  K    JOB          STATE      START              END                STEPS         RC")
     for s in state["segments"]:
         steps = f"{_s(s.get('start_step'))} -> {_s(s.get('end_step'))}" if s.get("started") else "-"
         out.append(f"  {_s(s.get('k')):<4} {s.get('job_id') or '-':<12} {s['state']:<10} {_t(s.get('started')):<18} "
                    f"{_t(s.get('ended')):<18} {steps:<13} {_s(s.get('rc'))}")
-    d = run.dir
+    lay = run.layout
     out.append("\npaths:")
-    for name, p in (("run dir", d), ("script", d / "job.sh"), ("spec", d / "spec.json"), ("logs", d / "logs"),
-                    ("checkpoints", d / "checkpoints"), ("metrics", d / protocol.METRICS_FILE), ("state", d / "state.json")):
+    for name, p in (("run dir", lay.root), ("script", lay.script), ("spec", lay.spec), ("logs", lay.logs),
+                    ("checkpoints", lay.checkpoints), ("metrics", lay.metrics), ("state", lay.state)):
         out.append(f"  {name:<12} {p}")
     return "\n".join(out)
 
@@ -188,11 +210,11 @@ def _t(ts) -> str:
 
 
 def log_path(run: Run, seg: dict) -> Path:
-    return run.dir / "logs" / f"job-{seg.get('job_id')}.log"
+    return run.layout.log(seg.get("job_id"))
 
 
 def _started_segments(state: dict) -> list[dict]:
-    return [s for s in state["segments"] if s.get("started") or s["state"] == runs.SEG_RUNNING]
+    return [s for s in state["segments"] if s.get("started") or s["state"] == SegState.RUNNING]
 
 
 def pick_segment(state: dict, k: int | None) -> int:
@@ -218,15 +240,15 @@ def follow(run: Run, start_index: int, out, follow_on: bool, poll_s: float = 0.5
             pos = _drain(log_path(run, started[index]), pos, out)
             if not follow_on:
                 return
-            seg_done = started[index]["state"] not in (runs.SEG_RUNNING,)
+            seg_done = started[index]["state"] != SegState.RUNNING
             if seg_done and index + 1 < len(started):
                 pos = _drain(log_path(run, started[index]), pos, out)
                 index, pos = index + 1, 0
                 continue
-            if seg_done and state["state"] in runs.FINAL_STATES:
+            if seg_done and not lifecycle.is_active(state):
                 _drain(log_path(run, started[index]), pos, out)
                 return
-        elif not follow_on or state["state"] in runs.FINAL_STATES:
+        elif not follow_on or not lifecycle.is_active(state):
             return
         time.sleep(poll_s)
 

@@ -1,13 +1,10 @@
-"""Run directories, the run registry, and the run's state file (atomic, under a lock).
+"""The run directory (its one layout model), the run registry, and the state file (atomic, locked).
 
-Layout of a run directory:
-    spec.json          the resolved spec and site, frozen at submit (resume never re-derives it)
-    job.sh             the segment script every segment executes
-    state.json         lifecycle state: run state, segments, queued successor (atomic writes)
-    checkpoints/       the trainer's checkpoints (protocol.py layout for hpcrl's trainers)
-    logs/job-ID.log    one log per job (segment)
-    metrics.jsonl      the trainer's metrics
-    lib/hpcrl/         snapshot of the hpcrl package the job imports
+`RunLayout` is the only place that spells out where things live in a run directory; every
+module and template takes paths from it (the segment script gets them rendered in). A layout
+can be rooted elsewhere than the launcher's copy: a TPU VM runs the same files under its own
+root (see Backend.job_layout).
+
 The registry ($HPCRL_HOME/registry/RUN) holds each run's directory, so runs may live anywhere
 (e.g. $SCRATCH on a cluster) and `status` still finds them.
 """
@@ -18,35 +15,109 @@ import contextlib
 import fcntl
 import json
 import os
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from .atomicio import atomic_write_json, atomic_write_text
 from .errors import RunError, did_you_mean
 from .paths import hpcrl_home
-from .protocol import atomic_write_json, atomic_write_text
 
-# Run states (what `status` shows).
-PENDING, RUNNING, CHECKPOINTING, RESUBMITTED = "PENDING", "RUNNING", "CHECKPOINTING", "RESUBMITTED"
-COMPLETED, FAILED, CANCELLED, STOPPED = "COMPLETED", "FAILED", "CANCELLED", "STOPPED"
-ACTIVE_STATES = {PENDING, RUNNING, CHECKPOINTING, RESUBMITTED}
-FINAL_STATES = {COMPLETED, FAILED, CANCELLED, STOPPED}
 
-# Segment states.
-SEG_QUEUED, SEG_RUNNING, SEG_SKIPPED, SEG_CANCELLED = "QUEUED", "RUNNING", "SKIPPED", "CANCELLED"
-SEG_CONTINUE, SEG_COMPLETE, SEG_FAILED, SEG_LOST = "CONTINUE", "COMPLETE", "FAILED", "LOST"
+@dataclass(frozen=True)
+class RunLayout:
+    """Where each file of a run lives, under `root`."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def spec(self) -> Path:  # the resolved spec and site, frozen at submit (budget: see state)
+        return self.root / "spec.json"
+
+    @property
+    def script(self) -> Path:  # the segment script every segment executes
+        return self.root / "job.sh"
+
+    @property
+    def state(self) -> Path:  # lifecycle state (hpcrl.lifecycle), the budget's one owner
+        return self.root / "state.json"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".lock"
+
+    @property
+    def checkpoints(self) -> Path:  # the trainer's checkpoints (hpcrl.ckptstore layout for hpcrl's)
+        return self.root / "checkpoints"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log(self, job_id) -> Path:  # one log per job (segment)
+        return self.logs / f"job-{job_id}.log"
+
+    def log_pattern(self, job_id_placeholder: str) -> Path:  # e.g. Slurm's %j
+        return self.logs / f"job-{job_id_placeholder}.log"
+
+    @property
+    def metrics(self) -> Path:  # the trainer's metrics (JSON lines)
+        return self.root / "metrics.jsonl"
+
+    @property
+    def lib(self) -> Path:
+        # A snapshot of the hpcrl package taken at submit: the job imports it, so a run keeps
+        # working with the code it was created with even if hpcrl is upgraded meanwhile.
+        return self.root / "lib"
+
+    @property
+    def requirements(self) -> Path:
+        return self.root / "requirements.txt"
+
+    @property
+    def checkpointing_flag(self) -> Path:  # exists while a segment saves for its walltime
+        return self.root / ".checkpointing"
+
+    def trainer_rc(self, job_id) -> Path:
+        return self.root / f".trainer-rc-{job_id}"
+
+    @property
+    def checkpoint_cache(self) -> Path:
+        # The newest checkpoint step of a trainer whose checkpoints are remote (gs://), written
+        # by whoever can list them (the job's end hook, a watcher) so `status` never has to.
+        return self.root / ".checkpoint-step.json"
+
+    def private(self, owner: str) -> Path:
+        """A directory a backend keeps its own records in (.queue for local, .tpu for TPU)."""
+        return self.root / f".{owner}"
+
+    def file(self, name: str) -> Path:
+        """A file a trainer adapter writes at submit (its name relative to the run dir)."""
+        return self.root / name
 
 
 def registry_dir() -> Path:
     return hpcrl_home() / "registry"
 
 
+def check_run_id(run_id) -> str:
+    """A run id is a run name: nothing else may reach the registry's file system paths."""
+    from .names import NAME_RE
+
+    if not isinstance(run_id, str) or not NAME_RE.match(run_id):
+        raise RunError(f"run {run_id!r}: not a run id (1-64 letters, digits and . _ -); `hpcrl status` lists runs")
+    return run_id
+
+
 def register(run_id: str, run_dir: Path) -> None:
-    atomic_write_text(registry_dir() / run_id, str(run_dir) + "\n")
+    atomic_write_text(registry_dir() / check_run_id(run_id), str(run_dir) + "\n")
 
 
 def unregister(run_id: str) -> None:
     with contextlib.suppress(FileNotFoundError):
-        (registry_dir() / run_id).unlink()
+        (registry_dir() / check_run_id(run_id)).unlink()
 
 
 def registered_ids() -> list[str]:
@@ -57,6 +128,7 @@ def registered_ids() -> list[str]:
 
 
 def run_dir_of(run_id: str) -> Path:
+    check_run_id(run_id)
     try:
         return Path((registry_dir() / run_id).read_text(encoding="utf-8").strip())
     except (FileNotFoundError, NotADirectoryError):
@@ -71,11 +143,12 @@ class Run:
 
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir)
+        self.layout = RunLayout(self.dir)
 
     @classmethod
     def by_id(cls, run_id: str) -> "Run":
         run = cls(run_dir_of(run_id))
-        if not (run.dir / "state.json").is_file():
+        if not run.layout.state.is_file():
             raise RunError(f"run '{run_id}': its directory {run.dir} is gone or incomplete")
         return run
 
@@ -84,60 +157,29 @@ class Run:
         return self.dir.name
 
     def spec(self) -> dict:
-        return json.loads((self.dir / "spec.json").read_text(encoding="utf-8"))
+        """The frozen resolved spec and site, with the budget as it is now (from state.json)."""
+        resolved = json.loads(self.layout.spec.read_text(encoding="utf-8"))
+        resolved["spec"]["budget"] = dict(self.state()["budget"])
+        return resolved
 
     def state(self) -> dict:
-        return json.loads((self.dir / "state.json").read_text(encoding="utf-8"))
+        return json.loads(self.layout.state.read_text(encoding="utf-8"))
 
     @contextlib.contextmanager
     def locked(self):
         """Exclusive access to state.json across processes (and nodes, where flock works)."""
-        with open(self.dir / ".lock", "a") as lock:
+        with open(self.layout.lock, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 state = self.state()
                 yield state
-                atomic_write_json(self.dir / "state.json", state)
+                atomic_write_json(self.layout.state, state)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def new_state(run_id: str, resolved: dict) -> dict:
-    return {
-        "run_id": run_id,
-        "state": PENDING,
-        "reason": "",
-        "created": time.time(),
-        "site": resolved["site"]["name"],
-        "scheduler": resolved["site"]["scheduler"],
-        "trainer": resolved["spec"]["trainer"],
-        "budget": dict(resolved["spec"]["budget"]),  # resume may extend it; the spec stays frozen
-        "segments": [],
-        "no_progress": 0,
-        "events": [],
-    }
-
-
-def add_event(state: dict, what: str) -> None:
-    state["events"].append({"time": round(time.time(), 3), "what": what})
-    del state["events"][:-200]  # bounded: state.json is rewritten on every change
-
-
-def segment_by_job(state: dict, job_id: str) -> dict | None:
-    for seg in state["segments"]:
-        if seg.get("job_id") == str(job_id):
-            return seg
-    return None
-
-
-def used_hours(state: dict, now: float | None = None) -> float:
-    total = 0.0
-    for seg in state["segments"]:
-        if seg.get("started"):
-            end = seg.get("ended") or (now if seg["state"] == SEG_RUNNING else seg["started"]) or seg["started"]
-            total += max(0.0, end - seg["started"])
-    return total / 3600.0
-
-
-def ran_segments(state: dict) -> int:
-    return sum(1 for s in state["segments"] if s.get("started"))
+def frozen_spec(resolved: dict) -> dict:
+    """What spec.json holds: the resolved spec without the budget, whose one owner is state.json
+    (resume changes it there)."""
+    spec = {k: v for k, v in resolved["spec"].items() if k != "budget"}
+    return {**resolved, "spec": spec}

@@ -59,15 +59,9 @@ SITE_DEFAULTS = {
     "kill_grace_s": 30,
     "scheduler_flags": {},
     "hpcrl_python": None,
-    # tpu
-    "project": None,
-    "zone": None,
-    "accelerator_type": None,
-    "runtime_version": None,
-    "provisioning": None,
-    "bucket": None,
-    "max_retries": None,
 }
+# Keys a backend adds (Backend.site_keys: TPU's project, zone, bucket, ...) join these in
+# site_keys(); the backend owns their meaning and checks them in complete_site.
 
 # Scheduler flags hpcrl sets itself: a user must use the dedicated option instead.
 RESERVED_FLAGS = {
@@ -78,6 +72,16 @@ RESERVED_FLAGS = {
     "N": "--nodes", "chdir": "(the run directory)", "D": "(the run directory)", "open-mode": "(always append)", "parsable": "(always on)", "wrap": "(not allowed)",
 }
 FLAG_NAME_RE = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+def site_keys() -> dict:
+    """Every key a site profile may have, with its default: the common ones and each backend's."""
+    from . import backends
+
+    keys = dict(SITE_DEFAULTS)
+    for kind in backends.names():
+        keys.update(backends.backend_class(kind).site_keys)
+    return keys
 
 
 # ---------------------------------------------------------------- YAML
@@ -182,14 +186,14 @@ def load_site(name: str, _seen: tuple = ()) -> dict:
     if name in _seen:
         raise SiteError(f"site {name}: 'extends' loops back to itself ({' -> '.join(_seen + (name,))})")
     data = load_yaml(path, "site file")
-    _check_keys(data, SITE_DEFAULTS, f"site file {path}: ")
+    _check_keys(data, site_keys(), f"site file {path}: ")
     parent = data.get("extends")
     if parent == name and path.parent == user_sites_dir():
         base = _load_builtin_site(name, path)
     elif parent:
         base = load_site(parent, _seen + (name,))
     else:
-        base = dict(SITE_DEFAULTS)
+        base = site_keys()
     merged = deep_merge(base, {k: v for k, v in data.items() if k != "extends"})
     merged["name"] = name
     merged["_file"] = str(path)
@@ -203,7 +207,7 @@ def _load_builtin_site(name: str, user_path: Path) -> dict:
     if not builtin.is_file():
         raise SiteError(f"site file {user_path}: extends '{name}', but there is no built-in site of that name")
     data = load_yaml(builtin, "site file")
-    return deep_merge(dict(SITE_DEFAULTS), data)
+    return deep_merge(site_keys(), data)
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -281,7 +285,7 @@ def _validate_spec_shape(spec: dict) -> None:
     _check_keys(spec, SPEC_DEFAULTS, "")
     for section in ("resources", "budget"):
         _check_keys(_mapping(spec.get(section), section), SPEC_DEFAULTS[section], f"{section}.")
-    _check_keys(_mapping(spec.get("site"), "site"), SITE_DEFAULTS, "site.")
+    _check_keys(_mapping(spec.get("site"), "site"), site_keys(), "site.")
 
 
 def validate_name(name, where: str = "--name") -> str:

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from hpcrl import launch, protocol, runs
+from hpcrl import launch, protocol
+from hpcrl.lifecycle import RunState, SegState
 from hpcrl.backends.local import LocalBackend
 from hpcrl.errors import BackendError
 from hpcrl.spec import resolve
@@ -20,7 +21,7 @@ def run(home):
     resolved = resolve(None, "local", ["args.steps=5"], {"trainer": "smoke", "hours": 0.01})
     run = launch.create_run(resolved, "faulty")
     with run.locked() as state:
-        state["segments"].append({"job_id": "1", "state": runs.SEG_QUEUED, "submitted": time.time()})
+        state["segments"].append({"job_id": "1", "state": SegState.QUEUED, "submitted": time.time()})
     return run
 
 
@@ -30,7 +31,7 @@ def test_successor_submit_failure_does_not_stop_the_running_segment(run, monkeyp
     k, deadline = launch.segment_begin(str(run.dir), "1", environ={"HPCRL_JOB_END_TIME": str(end)})
     assert k == 1 and deadline == pytest.approx(end - 4)  # local site: exit_margin_s 4
     state = run.state()
-    assert state["state"] == runs.RUNNING
+    assert state["state"] == RunState.RUNNING
     assert "could not queue the successor" in state["events"][-1]["what"]
     # The segment made progress, then its end hook cannot queue the next one either.
     tmp = protocol.new_checkpoint_dir(run.dir / "checkpoints")
@@ -38,8 +39,8 @@ def test_successor_submit_failure_does_not_stop_the_running_segment(run, monkeyp
     protocol.publish_checkpoint(run.dir / "checkpoints", tmp, 3)
     launch.segment_end(str(run.dir), "1", protocol.EXIT_CONTINUE)
     state = run.state()
-    assert state["state"] == runs.STOPPED and "hpcrl resume faulty" in state["reason"]
-    assert state["segments"][0]["end_step"] == 3 and state["segments"][0]["state"] == runs.SEG_CONTINUE
+    assert state["state"] == RunState.STOPPED and "hpcrl resume faulty" in state["reason"]
+    assert state["segments"][0]["end_step"] == 3 and state["segments"][0]["state"] == SegState.CONTINUE
 
 
 def test_unreadable_end_time_falls_back_to_the_walltime(run, monkeypatch):

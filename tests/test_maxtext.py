@@ -95,17 +95,28 @@ def test_checkpoint_step_ignores_unfinished_orbax_dirs(tmp_path):
     assert MaxTextTrainer().checkpoint_step(tmp_path.parent, tmp_path) == 50
 
 
-def test_checkpoint_step_lists_gs_checkpoints_with_gcloud(tmp_path, monkeypatch):
+def test_gs_checkpoints_are_listed_by_the_hooks_and_read_from_the_cache_by_status(tmp_path, monkeypatch):
     # gs:// through the fake gcloud (a test double mapping gs:// to a local dir), as on the TPU VM
+    import json
+
     fake = Path(__file__).parent / "fake_gcloud"
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_GCLOUD_DIR", str(tmp_path))
     monkeypatch.setenv("FAKE_GCS_ROOT", str(tmp_path / "gcs"))
-    root = tmp_path / "gcs" / "bucket" / "run" / "checkpoints"
-    assert maxtext_checkpoint_step("gs://bucket/run/checkpoints") is None  # nothing there yet
+    run_dir = tmp_path / "r-1"
+    run_dir.mkdir()
+    args = MaxTextTrainer().validate_args({"load_parameters_path": "gs://b/ckpt", "base_output_directory": "gs://bucket"})
+    (run_dir / "spec.json").write_text(json.dumps({"spec": {"args": args, "resources": {"nodes": 1}},
+                                                   "site": {"chips_per_vm": 4}}))
+    root = tmp_path / "gcs" / "bucket" / "r-1" / "checkpoints"
+    trainer, calls = MaxTextTrainer(), tmp_path / "calls.jsonl"
+    assert trainer.checkpoint_step(run_dir, run_dir / "checkpoints", remote=True) is None  # nothing there yet
     for name in ("0", "50", "100.orbax-checkpoint-tmp-1712"):
-        (root / name).mkdir(parents=True)
-    assert maxtext_checkpoint_step("gs://bucket/run/checkpoints") == 50
+        root.joinpath(name).mkdir(parents=True)
+    assert trainer.checkpoint_step(run_dir, run_dir / "checkpoints", remote=True) == 50
+    listed = calls.read_text()
+    assert trainer.checkpoint_step(run_dir, run_dir / "checkpoints") == 50  # status: the cached listing
+    assert calls.read_text() == listed, "reading the step for status ran gcloud"
 
 
 def test_test_data_is_the_wheels_yaml():

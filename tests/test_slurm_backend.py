@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.backends.base import JobState, run_command
+from hpcrl.backends.base import JobState
+from hpcrl.proc import run_command
 from hpcrl.backends.slurm import sbatch_directives
 
 # The root conftest imports these too; importing here keeps this file runnable on its own.
@@ -42,7 +43,7 @@ exit 99
 
 
 def test_submit_query_running_then_completed(slurm_backend, tmp_path):
-    job = slurm_backend.submit(_script(tmp_path, "one", _WAIT_FOR_GO.format(code=0)), tmp_path, "one")
+    job = slurm_backend.sbatch(_script(tmp_path, "one", _WAIT_FOR_GO.format(code=0)))
     assert job.isdigit()
     assert slurm_backend.query([job])[job].state in (JobState.PENDING, JobState.RUNNING)
 
@@ -59,8 +60,8 @@ def test_submit_query_running_then_completed(slurm_backend, tmp_path):
 
 
 def test_afterany_successor_runs_after_a_failed_predecessor(slurm_backend, tmp_path):
-    first = slurm_backend.submit(_script(tmp_path, "first", _WAIT_FOR_GO.format(code=3)), tmp_path, "first")
-    second = slurm_backend.submit(_script(tmp_path, "second", 'date +%s > "$RUN/second-ran"\n'), tmp_path, "second",
+    first = slurm_backend.sbatch(_script(tmp_path, "first", _WAIT_FOR_GO.format(code=3)))
+    second = slurm_backend.sbatch(_script(tmp_path, "second", 'date +%s > "$RUN/second-ran"\n'),
                                   after=first)
     slurm_backend.wait_for(first, lambda i: i.state is JobState.RUNNING, timeout_s=30)
     time.sleep(2)  # a scheduler that ignored the dependency would have started it by now
@@ -87,8 +88,8 @@ def _dead_or_zombie(pid: int) -> bool:
 
 def test_cancel_running_and_pending(slurm_backend, tmp_path):
     body = 'sleep 300 & echo $! > "$RUN/sleep.pid"; wait\n'
-    running = slurm_backend.submit(_script(tmp_path, "victim", body), tmp_path, "victim")
-    queued = slurm_backend.submit(_script(tmp_path, "queued", "true\n"), tmp_path, "queued", after=running)
+    running = slurm_backend.sbatch(_script(tmp_path, "victim", body))
+    queued = slurm_backend.sbatch(_script(tmp_path, "queued", "true\n"), after=running)
     slurm_backend.wait_for(running, lambda i: i.state is JobState.RUNNING, timeout_s=30)
     pid_file = tmp_path / "sleep.pid"
     for _ in range(20):
@@ -117,7 +118,7 @@ def test_unknown_job_reads_unknown(slurm_backend):
 @pytest.mark.parametrize("value", ["a'; touch /tmp/PWNED #", "$(id)", "`id`", 'say "hi" \\ there', "x#y"])
 def test_directive_values_reach_slurm_verbatim(slurm_backend, tmp_path, value):
     # A held job never runs; it only shows how sbatch parsed the #SBATCH line.
-    job = slurm_backend.submit(_script(tmp_path, "held", "true\n", comment=value, hold=True), tmp_path, "held")
+    job = slurm_backend.sbatch(_script(tmp_path, "held", "true\n", comment=value, hold=True))
     comment = run_command(["squeue", "-h", "-t", "all", "-j", job, "-o", "%k"]).stdout.rstrip("\n")
     assert comment == value
 
@@ -132,7 +133,7 @@ while kill -0 "$child" 2>/dev/null; do wait "$child"; done
 
 
 def test_walltime_kill_is_timeout_after_usr1_to_the_batch_shell(slurm_backend, tmp_path):
-    job = slurm_backend.submit(_script(tmp_path, "walltime", _TRAP_USR1, signal="B:USR1@30"), tmp_path, "walltime")
+    job = slurm_backend.sbatch(_script(tmp_path, "walltime", _TRAP_USR1, signal="B:USR1@30"))
     info = slurm_backend.wait_for(job, lambda i: i.state.finished, timeout_s=150, poll_s=2)
     assert (info.state, info.reason) == (JobState.TIMEOUT, "TimeLimit")
     assert 60 <= info.end_time - info.start_time <= 100  # 1 min + up to one 30 s limit tick

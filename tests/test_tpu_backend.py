@@ -18,7 +18,7 @@ from hpcrl.backends.base import JobState
 from hpcrl.backends.tpu import (PROVISIONING, STATES, TpuBackend, check_site, create_argv, delete_argv, describe_argv,
                                 explain, list_argv, parse_describe, parse_list, qr_name, render_startup)
 from hpcrl.errors import BackendError, SiteError
-from hpcrl.watch import retries_in_a_row
+from hpcrl.backends.tpu_watch import retries_in_a_row
 from test_render import bash_n, check_golden
 
 FAKE = Path(__file__).resolve().parent / "fake_gcloud"
@@ -199,17 +199,17 @@ def test_site_checks_name_the_key_and_the_fix(changes, message):
 def test_retries_count_preemptions_in_a_row_since_the_last_resume():
     recs = [{"n": i, "created": t, "closed": t + 1, "outcome": o}
             for i, (t, o) in enumerate([(10, "preempted"), (20, "done"), (30, "preempted"), (40, "lost")], 1)]
-    assert retries_in_a_row({"events": []}, recs) == 2
-    assert retries_in_a_row({"events": [{"time": 35, "what": "resumed by the user"}]}, recs) == 1
-    assert retries_in_a_row({"events": []}, recs[:2]) == 0
+    assert retries_in_a_row({"resumed_at": None}, recs) == 2
+    assert retries_in_a_row({"resumed_at": 35}, recs) == 1
+    assert retries_in_a_row({}, recs[:2]) == 0
 
 
 # ---------------------------------------------------------------- the startup script and `hpcrl render`
 
 
 def test_startup_script_is_valid_bash_and_quotes_hostile_values(monkeypatch):
-    monkeypatch.setenv("HPCRL_TPU_VM_ROOT", "/tmp/vm root $(touch /tmp/PWNED-hpcrl)")
-    resolved = {"site": site(hpcrl_python=HOSTILE), "spec": {"budget": {"hours": 0.5}}}
+    resolved = {"site": site(hpcrl_python=HOSTILE, vm_root="/tmp/vm root $(touch /tmp/PWNED-hpcrl)"),
+                "spec": {"budget": {"hours": 0.5}}}
     text = render_startup(resolved, "run-1", "hpcrl-run-1-1")
     bash_n(text)
     assert HOSTILE not in text and "segment_s=1800" in text

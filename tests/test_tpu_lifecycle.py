@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def cloud(home, tmp_path, monkeypatch):
     # Short leads so that a segment takes seconds; the launcher on the "VM" is this interpreter.
     (sites / "tputest.yaml").write_text(
         "extends: tpu-v5p-8\nproject: fake-proj\nzone: us-east5-a\nbucket: gs://fake-bucket\n"
-        f"hpcrl_python: {json.dumps(sys.executable)}\nsetup: []\nvenv_root: null\n"
+        f"hpcrl_python: {json.dumps(sys.executable)}\nsetup: []\nvenv_root: null\nvm_root: {json.dumps(str(c.vm))}\n"
         "signal_lead_s: 1\nexit_margin_s: 0.5\nkill_grace_s: 2\nmax_retries: 2\n")
     yield c
     c.kill_vms()
@@ -164,8 +165,10 @@ def test_cancel_during_provisioning_deletes_the_queued_resource(cloud):
     watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "c", "--interval", "0.3"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(3):
+        for _ in range(100):  # status shows what the watcher saw (it never asks gcloud itself)
             status = json.loads(hpcrl("status", "c", "--json").stdout)[0]
+            if status["reason"].endswith("WAITING_FOR_RESOURCES"):
+                break
         assert status["state"] == "PENDING" and status["reason"] == "queued resource hpcrl-c-1: WAITING_FOR_RESOURCES"
         assert "cancelled run c" in hpcrl("cancel", "c").stdout
         out, _ = watcher.communicate(timeout=30)
@@ -213,7 +216,10 @@ def test_secrets_reach_the_vm_through_the_bucket_only(cloud, home):
 def test_logs_follow_reads_the_bucket_copy_with_hostile_vm_path_and_odd_run_name(cloud, monkeypatch):
     # every path on the VM goes through the one quoting function; nothing injected runs (conftest checks).
     # 60 steps of 0.1 s cannot fit one 5.4 s segment, however fast the machine: the log must span two.
-    monkeypatch.setenv("HPCRL_TPU_VM_ROOT", str(cloud.vm / "vm root $(touch /tmp/PWNED-hpcrl) 'q'"))
+    hostile_root = str(cloud.vm / "vm root $(touch /tmp/PWNED-hpcrl) 'q'")
+    monkeypatch.setenv("HPCRL_TPU_VM_ROOT", hostile_root)  # the fake's "VM disk"
+    site_file = Path(os.environ["HPCRL_SITES_DIR"]) / "tputest.yaml"
+    site_file.write_text(re.sub(r"(?m)^vm_root: .*$", f"vm_root: {json.dumps(hostile_root)}", site_file.read_text()))
     cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"]}])
     submit("Odd_Run.v2", "--hours", "0.0015", "--set", "args.steps=60", "--set", "args.step_time_s=0.1",
            "--set", "args.save_every=1000")

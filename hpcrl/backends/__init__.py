@@ -17,9 +17,18 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(kind: str, site: dict | None = None):
+def backend_class(kind: str):
     target = _REGISTRY.get(str(kind))
     if target is None:
         raise SiteError(f"site scheduler: unknown kind '{kind}'{did_you_mean(kind, _REGISTRY)}; use one of {one_of(_REGISTRY)}")
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(site or {})
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_backend(kind: str, site: dict | None = None):
+    return backend_class(kind)(site or {})
+
+
+def for_site(site: dict):
+    """The backend of a resolved site profile."""
+    return get_backend(site["scheduler"], site)

@@ -1,14 +1,10 @@
-"""What every backend offers, the one job-state enum, and the one helper that runs commands."""
+"""What every backend offers (the hooks, documented on Backend) and the one job-state enum.
+Scheduler commands run through hpcrl.proc.run_command."""
 
 from __future__ import annotations
 
 import enum
-import shutil
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
-
-from ..errors import BackendError
 
 
 class JobState(str, enum.Enum):
@@ -39,71 +35,117 @@ class JobInfo:
     exit_code: int | None = None
 
 
-@dataclass
-class CommandResult:
-    argv: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run_command(argv: list[str], timeout_s: float = 60, check: bool = True, input_text: str | None = None,
-                env: dict | None = None) -> CommandResult:
-    """Run a scheduler command; on failure raise BackendError with argv and the stderr tail."""
-    exe = argv[0]
-    if shutil.which(exe) is None and "/" not in exe:
-        raise BackendError(f"'{exe}' is not on PATH; run hpcrl where the scheduler's commands are installed (a login node)")
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, input=input_text,
-                              env=env, stdin=None if input_text is not None else subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise BackendError(f"'{' '.join(argv[:3])} ...' did not answer within {timeout_s:.0f} s; is the scheduler up?") from None
-    result = CommandResult(argv, proc.returncode, proc.stdout, proc.stderr)
-    if check and proc.returncode != 0:
-        raise BackendError(f"{' '.join(argv[:2])} failed: {stderr_tail(result)}")
-    return result
-
-
-def stderr_tail(result: CommandResult) -> str:
-    """One line for the user: the last two non-empty stderr lines (or the exit code)."""
-    lines = [ln.strip() for ln in (result.stderr or "").splitlines() if ln.strip()]
-    return " ".join(lines[-2:])[:400] or f"exit code {result.returncode}"
-
-
 class Backend:
-    """A scheduler. `submit` queues a rendered script; `query`/`cancel` act on job ids."""
+    """A scheduler: everything hpcrl knows about one lives in its backend module.
+
+    Adding a scheduler = one module with a subclass of this (registered in backends/__init__.py)
+    and a site YAML. Every hook below has a default that fits a scheduler which queues its own
+    successors (Slurm-like); what a subclass must write is marked "must".
+
+    Site: `site_keys` are the site-profile keys this backend adds (with defaults); spec.py merges
+    them into the profile and rejects unknown ones. `complete_site` fills in what the scheduler
+    knows itself and checks the values.
+    Script: `directives` (header lines), `job_id_variable` (the environment variable that holds
+    the job's id inside the job), `job_layout` (the run directory as the job sees it).
+    Lifecycle: `submit`, `poll` (state of many jobs at once: what `status` uses), `query`,
+    `cancel`, `end_time` (inside the job: when the scheduler will stop it).
+    Reconciling: a backend whose jobs cannot queue their own successor sets
+    `reconciles_outside_job` and implements `reconcile(run, ops)`, one step of a watcher.
+    """
 
     name = "base"
-    # True when the backend supports `--dependency=afterany`-style successors.
-    chains_successors = True
+    site_keys: dict = {}
+    # True when jobs cannot queue a successor from inside (TPU VMs): `reconcile` keeps the chain.
+    reconciles_outside_job = False
+    # Inside a job: the environment variable holding its id (None: HPCRL_JOB_ID set by hpcrl).
+    job_id_variable: str | None = None
+    job_id_missing = "run this script through hpcrl: the local backend sets HPCRL_JOB_ID"
 
     def __init__(self, site: dict):
         self.site = site
+
+    # -- site and script
 
     def complete_site(self, site: dict) -> dict:
         """Fill in and check site values this scheduler knows itself (TPU: gcloud's project/zone)."""
         return site
 
+    def directives(self, resolved: dict, run_id: str, layout) -> list[str]:
+        """Header lines of the segment script after #!/bin/bash (resources, walltime, signal)."""
+        return []
+
+    def job_id_line(self) -> str:
+        """The bash line that exports HPCRL_JOB_ID inside the job."""
+        if self.job_id_variable:
+            return f'export HPCRL_JOB_ID="${self.job_id_variable}"'
+        return f'export HPCRL_JOB_ID="${{HPCRL_JOB_ID:?{self.job_id_missing}}}"'
+
+    def current_job_id(self, environ) -> str | None:
+        """Inside a job: this job's id from the environment."""
+        return environ.get(self.job_id_variable or "HPCRL_JOB_ID") or None
+
+    def job_layout(self, run_id: str, layout):
+        """The run directory as the job sees it (a TPU VM has its own copy elsewhere)."""
+        return layout
+
     def dry_run(self, resolved: dict, run_id: str, job_script: str) -> str:
         """What `render` shows: the segment script, plus anything else submit would send."""
         return job_script
 
-    def submit(self, script: Path, run_dir: Path, job_name: str, after: str | None = None) -> str:
-        """Queue `script`; if `after` is a job id, start only after that job ends (any way)."""
+    def submit_hint(self, run_id: str) -> list[str]:
+        """Extra lines `hpcrl submit` prints (what the user must keep doing, if anything)."""
+        return []
+
+    # -- jobs
+
+    def submit(self, run, resolved: dict, after: str | None = None) -> str:
+        """Must: queue the run's job script (run: hpcrl.runs.Run; resolved: its spec and site with
+        the budget as it is now); if `after` is a job id, start only after that job ends (any
+        way); return the job id."""
         raise NotImplementedError
 
-    def query(self, job_ids: list[str], run_dir: Path | None = None) -> dict[str, JobInfo]:
-        """State of each job id (run_dir: where a backend keeps per-run queue files, if any)."""
+    def query(self, job_ids: list[str], run=None) -> dict[str, JobInfo]:
+        """Must: state of each job id (run: where a backend keeps per-run records, if any)."""
         raise NotImplementedError
 
-    def cancel(self, job_ids: list[str], run_dir: Path | None = None) -> None:
+    def poll(self, jobs: list[tuple]) -> dict[str, JobInfo]:
+        """State of many jobs of many runs at once, [(run, job_id), ...] -> {job_id: info}, with a
+        bounded number of scheduler calls whatever the number of runs (`status` uses this).
+        The default asks `query` once per run: right for backends whose query reads files."""
+        out: dict[str, JobInfo] = {}
+        by_run: dict = {}
+        for run, job_id in jobs:
+            by_run.setdefault(run.dir, (run, []))[1].append(job_id)
+        for run, ids in by_run.values():
+            out.update(self.query(ids, run))
+        return out
+
+    def cancel(self, job_ids: list[str], run=None) -> None:
+        """Must: cancel the jobs; cancelling a job that already ended is not an error."""
         raise NotImplementedError
 
-    def current_job_id(self, environ) -> str | None:
-        """Inside a job: this job's id from the environment."""
-        raise NotImplementedError
-
-    def end_time(self, job_id: str, run_dir: Path, environ) -> float | None:
+    def end_time(self, job_id: str, run, environ) -> float | None:
         """Inside a job: when the scheduler will end it (unix s), from the scheduler itself."""
-        info = self.query([job_id], run_dir=run_dir).get(job_id)
+        info = self.query([job_id], run).get(job_id)
         return info.end_time if info else None
+
+    # -- runs whose chain is kept from outside the jobs
+
+    def after_change(self, run) -> None:
+        """Called after the launcher committed a change of the run's state (TPU: publish it)."""
+
+    def reconcile(self, run, ops, interval_s: float) -> dict:
+        """One step of the watcher for `reconciles_outside_job` backends; returns the state.
+        ops: the lifecycle steps it may take (launch.WatcherOps)."""
+        raise NotImplementedError
+
+    def settled(self, run) -> bool:
+        """A finished run has nothing of this backend's left to close (TPU: its last QR)."""
+        return True
+
+    def status_note(self, run, state: dict) -> str | None:
+        """A line `status` adds for this run (TPU: when no watcher has looked at it lately)."""
+        return None
+
+    def follow(self, run, ops, interval_s: float) -> None:
+        """Keep the local copy of a run's logs current while `logs -f` prints (TPU: a ticker)."""

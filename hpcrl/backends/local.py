@@ -18,15 +18,16 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomicio import atomic_write_json
 from ..errors import BackendError
-from ..protocol import atomic_write_json
+from ..runs import RunLayout
 from .base import Backend, JobInfo, JobState
 
 POLL_S = 0.1
 
 
 def queue_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / ".queue"
+    return RunLayout(run_dir).private("queue")
 
 
 def _record_path(run_dir: Path, job_id: str) -> Path:
@@ -74,13 +75,24 @@ def _alive(pid: int | None) -> bool:
     return b"hpcrl.backends.local" in cmdline  # the pid was not reused by something else
 
 
+def local_directives(resolved: dict) -> list[str]:
+    """The simulated walltime and signal timing, read back by the supervisor from the script."""
+    site, hours = resolved["site"], resolved["spec"]["budget"]["hours"]
+    return [f"#HPCRL-LOCAL walltime_s={hours * 3600:g}", f"#HPCRL-LOCAL signal_lead_s={site['signal_lead_s']:g}",
+            f"#HPCRL-LOCAL kill_grace_s={site['kill_grace_s']:g}"]
+
+
 class LocalBackend(Backend):
     name = "local"
 
-    def submit(self, script: Path, run_dir: Path, job_name: str, after: str | None = None) -> str:
+    def directives(self, resolved: dict, run_id: str, layout) -> list[str]:
+        return local_directives(resolved)
+
+    def submit(self, run, resolved: dict, after: str | None = None) -> str:
+        run_dir, script = run.dir, run.layout.script
         job_id = _next_id(run_dir)
         path = _record_path(run_dir, job_id)
-        atomic_write_json(path, {"job_id": job_id, "name": job_name, "script": str(script), "after": after,
+        atomic_write_json(path, {"job_id": job_id, "name": run.id, "script": str(script), "after": after,
                                  "state": JobState.PENDING.value, "submitted": time.time()})
         log = open(queue_dir(run_dir) / "supervisor.log", "ab")
         try:
@@ -97,27 +109,26 @@ class LocalBackend(Backend):
         (queue_dir(run_dir) / f"{job_id}.pid").write_text(str(proc.pid))
         return job_id
 
-    def query(self, job_ids: list[str], run_dir: Path | None = None) -> dict[str, JobInfo]:
+    def query(self, job_ids: list[str], run=None) -> dict[str, JobInfo]:
+        run_dir = run.dir if run is not None else None
         out = {}
         for job_id in job_ids:
             rec = _read(_record_path(run_dir, job_id)) if run_dir else None
             out[job_id] = _info(job_id, rec, run_dir)
         return out
 
-    def cancel(self, job_ids: list[str], run_dir: Path | None = None) -> None:
+    def cancel(self, job_ids: list[str], run=None) -> None:
+        run_dir = run.dir
         for job_id in job_ids:
             path = queue_dir(run_dir) / f"{job_id}.cancel"
             if _record_path(run_dir, job_id).exists():
                 path.write_text("cancel\n")
 
-    def current_job_id(self, environ) -> str | None:
-        return environ.get("HPCRL_JOB_ID")
-
-    def end_time(self, job_id: str, run_dir: Path, environ) -> float | None:
+    def end_time(self, job_id: str, run, environ) -> float | None:
         value = environ.get("HPCRL_JOB_END_TIME")
         if value:
             return float(value)
-        rec = _read(_record_path(run_dir, job_id)) or {}
+        rec = _read(_record_path(run.dir, job_id)) or {}
         return rec.get("end_time")
 
 
@@ -189,10 +200,10 @@ class _Supervisor:
         start = time.time()
         end = start + timing.get("walltime_s", 3600)
         self.save(state=JobState.RUNNING.value, started=start, end_time=end, supervisor_pid=os.getpid())
-        logs = self.run_dir / "logs"
-        logs.mkdir(exist_ok=True)
+        layout = RunLayout(self.run_dir)
+        layout.logs.mkdir(exist_ok=True)
         env = dict(os.environ, HPCRL_JOB_ID=self.job_id, HPCRL_JOB_END_TIME=f"{end:.3f}")
-        with open(logs / f"job-{self.job_id}.log", "ab") as log:
+        with open(layout.log(self.job_id), "ab") as log:
             proc = subprocess.Popen(["bash", str(script)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     cwd=self.run_dir, env=env, start_new_session=True)
         self.save(pgid=proc.pid)

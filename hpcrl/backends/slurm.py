@@ -7,12 +7,13 @@ BackendError naming the command and its stderr tail.
 
 from __future__ import annotations
 
+import math
 import re
 import time
-from pathlib import Path
 
 from ..errors import BackendError, SpecError
-from .base import Backend, JobInfo, JobState, run_command, stderr_tail
+from ..proc import run_command, stderr_tail
+from .base import Backend, JobInfo, JobState
 
 # Every job state Slurm reports (squeue(1) "JOB STATE CODES"), mapped to ours. Only finished
 # states map to a finished JobState: the lifecycle must never treat a job whose processes may
@@ -50,6 +51,7 @@ _OPTION_RE = re.compile(r"[a-z][a-z0-9-]*\Z")
 _PLAIN_VALUE_RE = re.compile(r"[A-Za-z0-9_.,:/=+%@-]+\Z")
 _JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?\Z")
 _NO_TIME = {"", "N/A", "NONE", "UNKNOWN", "NONE_SET"}
+POLL_CHUNK = 500  # job ids per squeue/sacct call (argv stays far below ARG_MAX)
 
 
 def map_state(slurm_state: str) -> JobState:
@@ -84,6 +86,37 @@ def sbatch_directives(opts: dict) -> list[str]:
             raise SpecError(f"sbatch option '{key}': value {text!r} contains a newline or NUL; use one line")
         lines.append(f"#SBATCH --{key}={_sbatch_quote(text)}")
     return lines
+
+
+def walltime_minutes(hours: float) -> int:
+    # Slurm limits are whole minutes; round up so a user never gets less than asked (after
+    # rounding to whole seconds: 0.0167 h means one minute, not two).
+    return max(1, math.ceil(round(hours * 3600) / 60))
+
+
+def sbatch_options(resolved: dict, run_id: str, layout) -> dict:
+    """Every sbatch option of a segment (site and spec scheduler_flags below hpcrl's own)."""
+    spec, site = resolved["spec"], resolved["site"]
+    res, budget = spec["resources"], spec["budget"]
+    opts = {
+        "account": site.get("account"),
+        "qos": site.get("qos"),
+        "partition": site.get("partition"),
+        "constraint": site.get("constraint"),
+        "nodes": res["nodes"],
+        "gpus-per-node": res.get("gpus_per_node") or None,
+        "cpus-per-task": res.get("cpus_per_task"),
+        "mem": f"{res['mem_gb']:g}G" if res.get("mem_gb") else None,
+        "time": walltime_minutes(budget["hours"]),
+        "time-min": walltime_minutes(budget["hours_min"]) if budget.get("hours_min") else None,
+        "signal": f"B:USR1@{int(site['signal_lead_s'])}",
+        "open-mode": "append",
+        "job-name": run_id,
+        "output": str(layout.log_pattern("%j")),
+        "chdir": str(layout.root),  # never the submitter's cwd (a stray ./hpcrl would shadow the snapshot)
+        "dependency": "singleton",
+    }
+    return {**site.get("scheduler_flags", {}), **spec.get("scheduler_flags", {}), **opts}
 
 
 # --- pure parsers ------------------------------------------------------------------------------
@@ -213,11 +246,18 @@ def parse_sbatch_parsable(text: str) -> str:
 
 class SlurmBackend(Backend):
     name = "slurm"
-    chains_successors = True
 
-    def submit(self, script: Path, run_dir: Path, job_name: str, after: str | None = None) -> str:
-        # Job name, output path and resources are #SBATCH lines in the rendered script, so that
-        # the script alone says how it runs; only the chain link is decided at submit time.
+    job_id_variable = "SLURM_JOB_ID"
+
+    def directives(self, resolved: dict, run_id: str, layout) -> list[str]:
+        return sbatch_directives(sbatch_options(resolved, run_id, layout))
+
+    def submit(self, run, resolved: dict, after: str | None = None) -> str:
+        return self.sbatch(run.layout.script, after)
+
+    def sbatch(self, script, after: str | None = None) -> str:
+        """Queue one script. Job name, output path and resources are #SBATCH lines in the rendered script, so that
+        the script alone says how it runs; only the chain link is decided at submit time."""
         argv = ["sbatch", "--parsable"]
         if after:
             # The command line replaces the script's --dependency=singleton: keep both.
@@ -225,14 +265,14 @@ class SlurmBackend(Backend):
         argv.append(str(script))
         return parse_sbatch_parsable(run_command(argv).stdout)
 
-    def query(self, job_ids: list[str], run_dir: Path | None = None) -> dict[str, JobInfo]:
-        """State of each job; a job that no command knows any more is UNKNOWN."""
+    def query(self, job_ids: list[str], run=None) -> dict[str, JobInfo]:
+        """State of each job, with exit codes of finished ones; a job that no command knows any
+        more is UNKNOWN. One squeue, then scontrol per finished job (squeue's format has no exit
+        code), then one sacct for the rest: for a few jobs (a segment asking for its own)."""
         ids = [str(j) for j in job_ids]
         if not ids:
             return {}
         found = self._squeue(ids)
-        # scontrol for jobs squeue no longer lists, and for finished ones: squeue's -o format
-        # has no exit code, and the lifecycle needs it (trainer exit codes pass through).
         for job_id in [j for j in ids if j not in found or found[j].state.finished]:
             found.update(self._scontrol(job_id))
         missing = [j for j in ids if j not in found]
@@ -240,6 +280,18 @@ class SlurmBackend(Backend):
             found.update(self._sacct(missing))
         return {j: found.get(j) or JobInfo(j, JobState.UNKNOWN, "not known to squeue, scontrol or sacct")
                 for j in ids}
+
+    def poll(self, jobs: list[tuple]) -> dict[str, JobInfo]:
+        """Many jobs of many runs: one squeue per POLL_CHUNK job ids, one sacct for the ids squeue
+        no longer lists; never a call per job (a centre notices O(runs) RPCs per `status`)."""
+        ids = sorted({str(j) for _, j in jobs})
+        found: dict[str, JobInfo] = {}
+        for i in range(0, len(ids), POLL_CHUNK):
+            found.update(self._squeue(ids[i:i + POLL_CHUNK]))
+        missing = [j for j in ids if j not in found]
+        for i in range(0, len(missing), POLL_CHUNK):
+            found.update(self._sacct(missing[i:i + POLL_CHUNK]))
+        return {j: found.get(j) or JobInfo(j, JobState.UNKNOWN, "not known to squeue or sacct") for j in ids}
 
     def _squeue(self, ids: list[str]) -> dict[str, JobInfo]:
         # Text with -j, not --json: Slurm 22.05's --json ignores -j and dumps every job on the
@@ -265,7 +317,7 @@ class SlurmBackend(Backend):
             return {}
         return parse_sacct(result.stdout) if result.returncode == 0 else {}
 
-    def cancel(self, job_ids: list[str], run_dir: Path | None = None) -> None:
+    def cancel(self, job_ids: list[str], run=None) -> None:
         ids = [str(j) for j in job_ids]
         if not ids:
             return
@@ -274,5 +326,3 @@ class SlurmBackend(Backend):
         if result.returncode != 0 and "Invalid job id" not in result.stderr:
             raise BackendError(f"scancel failed: {stderr_tail(result)}")
 
-    def current_job_id(self, environ) -> str | None:
-        return environ.get("SLURM_JOB_ID") or None

@@ -3,7 +3,7 @@
 One segment = one queued resource (QR) whose VM runs a rendered startup script
 (templates/tpu-startup.sh.j2): fetch the run's files from the bucket, run the same job.sh every
 backend runs under a deadline, copy logs/state/metrics/checkpoints back, delete its own QR.
-A TPU VM cannot queue its successor, so `chains_successors` is False and hpcrl/watch.py starts
+A TPU VM cannot queue its successor, so `reconciles_outside_job` is True and tpu_watch.py starts
 each next segment and re-creates preempted VMs.
 
 Bucket layout (run_uri = BUCKET/hpcrl-runs/RUN/run):
@@ -27,9 +27,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomicio import atomic_write_json, atomic_write_text
 from ..errors import BackendError, SiteError, one_of
-from ..protocol import atomic_write_json, atomic_write_text
-from .base import Backend, JobInfo, JobState, run_command, stderr_tail
+from ..runs import RunLayout
+from ..shell import q
+from ..proc import run_command, stderr_tail
+from .base import Backend, JobInfo, JobState
 
 PROVISIONING = {  # mode -> (gcloud release track, extra create flags)
     "spot": ([], ["--spot"]),
@@ -47,10 +50,14 @@ STATES = {
     "DELETING": JobState.CANCELLED,  # its VM is going away (hpcrl deletes a QR whose segment ended)
 }
 
+WATCH_STALE_S = 600  # a watcher polls every 60 s by default: ten minutes of silence means none runs
+
 # Secrets the VM cannot inherit from the user's shell: passed through the bucket (see module doc).
 SECRET_NAMES = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Run-dir entries that only the VM writes (copied back from the bucket, never uploaded over it).
-VM_OWNED = {"state.json", "logs", "checkpoints", "metrics.jsonl", ".queue", ".tpu", ".lock", ".checkpointing", "jobs"}
+_L = RunLayout(".")
+VM_OWNED = {p.name for p in (_L.state, _L.logs, _L.checkpoints, _L.metrics, _L.private("queue"), _L.private("tpu"),
+                             _L.lock, _L.checkpointing_flag)} | {"jobs"}
 
 _PROJECT_RE = re.compile(r"^([a-z0-9.-]+:)?[a-z][a-z0-9-]{4,61}[a-z0-9]$")
 _ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
@@ -112,14 +119,11 @@ def qr_name(run_id: str, n: int) -> str:
     return f"hpcrl-{base}{suffix}"
 
 
-def vm_root() -> str:
-    # Where runs live on the VM (it runs the startup script as root). Tests point it at a
-    # temporary directory: the "VM" is then this machine.
-    return os.environ.get("HPCRL_TPU_VM_ROOT") or "/var/lib/hpcrl"
+DEFAULT_VM_ROOT = "/var/lib/hpcrl"  # where runs live on the VM (it runs the startup script as root)
 
 
-def vm_run_dir(run_id: str) -> str:
-    return f"{vm_root().rstrip('/')}/runs/{run_id}"
+def vm_run_dir(site: dict, run_id: str) -> str:
+    return f"{(site.get('vm_root') or DEFAULT_VM_ROOT).rstrip('/')}/runs/{run_id}"
 
 
 def run_uri(site: dict, run_id: str) -> str:
@@ -128,6 +132,11 @@ def run_uri(site: dict, run_id: str) -> str:
 
 def secrets_uri(site: dict, run_id: str) -> str:
     return f"{site['bucket'].rstrip('/')}/hpcrl-runs/{run_id}/secrets.env"
+
+
+def _uri(path: Path) -> str:
+    # a RunLayout rooted at gs://b/x gives Path("gs:/b/x/..."): put the double slash back
+    return str(path).replace("gs:/", "gs://", 1)
 
 
 # ---------------------------------------------------------------- argv (pure)
@@ -249,7 +258,6 @@ def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
 
     from .. import __version__
     from ..paths import templates_dir
-    from ..render import q
 
     site = resolved["site"]
     jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
@@ -257,7 +265,7 @@ def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
     jenv.filters["q"] = q
     return jenv.get_template("tpu-startup.sh.j2").render(
         version=__version__, run_id=run_id, site_name=site["name"], job_id=qr_id,
-        run_uri=run_uri(site, run_id), secrets_uri=secrets_uri(site, run_id), run_dir=vm_run_dir(run_id),
+        run_uri=run_uri(site, run_id), secrets_uri=secrets_uri(site, run_id), run_dir=vm_run_dir(site, run_id),
         hpcrl_python=site.get("hpcrl_python") or "python3",
         segment_s=segment_seconds(resolved["spec"]["budget"]["hours"]),
         signal_lead_s=int(site["signal_lead_s"]), kill_grace_s=int(site["kill_grace_s"]),
@@ -286,7 +294,47 @@ def dry_run(resolved: dict, run_id: str, job_script: str) -> str:
 
 class TpuBackend(Backend):
     name = "tpu"
-    chains_successors = False  # the VM cannot queue its successor: hpcrl/watch.py does
+    reconciles_outside_job = True  # the VM cannot queue its successor: backends/tpu_watch.py does
+    job_id_missing = "the TPU startup script sets HPCRL_JOB_ID"
+    site_keys = {"project": None, "zone": None, "accelerator_type": None, "runtime_version": None,
+                 "provisioning": None, "bucket": None, "max_retries": None, "vm_root": DEFAULT_VM_ROOT}
+
+    def job_layout(self, run_id: str, layout):
+        return RunLayout(vm_run_dir(self.site, run_id))
+
+    def submit_hint(self, run_id: str) -> list[str]:
+        return [f"  keep `hpcrl watch {run_id}` running (e.g. under nohup): it starts each next segment and "
+                "re-creates preempted VMs"]
+
+    def reconcile(self, run, ops, interval_s: float) -> dict:
+        from . import tpu_watch
+
+        return tpu_watch.tick(run, self, ops, interval_s)
+
+    def follow(self, run, ops, interval_s: float) -> None:
+        from . import tpu_watch
+
+        tpu_watch.follow_in_background(run, self, interval_s, ops)
+
+    def settled(self, run) -> bool:
+        from . import tpu_watch
+
+        return tpu_watch.open_record(run) is None
+
+    def status_note(self, run, state: dict) -> str | None:
+        from . import tpu_watch
+        from ..lifecycle import is_active
+
+        if not is_active(state):
+            return None
+        seen = tpu_watch.last_tick(run)
+        if seen is None or time.time() - seen > WATCH_STALE_S:
+            when = "never" if seen is None else time.strftime("%m-%d %H:%M", time.localtime(seen))
+            return f"no watcher has looked at this run lately (last: {when}); keep `hpcrl watch {run.id}` running"
+        return None
+
+    def after_change(self, run) -> None:
+        self.publish_state(run.dir)
 
     def complete_site(self, site: dict) -> dict:
         return complete_site(site)
@@ -308,11 +356,10 @@ class TpuBackend(Backend):
 
     # -- segments
 
-    def submit(self, script: Path, run_dir: Path, job_name: str, after: str | None = None) -> str:
-        run_dir = Path(run_dir)
-        resolved = json.loads((run_dir / "spec.json").read_text(encoding="utf-8"))
+    def submit(self, run, resolved: dict, after: str | None = None) -> str:
+        run_dir = run.dir
         check_site(self.site)
-        tdir = run_dir / ".tpu"
+        tdir = run.layout.private("tpu")
         tdir.mkdir(exist_ok=True)
         n = 1 + len(list(tdir.glob("*.json")))  # called inside the run's lock: no race
         qr_id = qr_name(run_dir.name, n)
@@ -335,14 +382,12 @@ class TpuBackend(Backend):
 
     def publish_state(self, run_dir: Path) -> None:
         """The committed state.json, which the VM waits for before it starts the segment."""
-        self.gcloud(["gcloud", "storage", "cp", str(Path(run_dir) / "state.json"),
-                     run_uri(self.site, Path(run_dir).name) + "/state.json"])
+        layout = RunLayout(run_dir)
+        self.gcloud(["gcloud", "storage", "cp", str(layout.state), f"{run_uri(self.site, layout.root.name)}/{layout.state.name}"])
 
     def upload_secrets(self, run_id: str) -> bool:
         # Through stdin, so the values touch no file here; only when this shell has them (a
         # watcher started without them keeps what the submitting shell uploaded).
-        from ..render import q
-
         lines = [f"export {k}={q(os.environ[k])}" for k in SECRET_NAMES if os.environ.get(k)]
         if lines:
             self.gcloud(["gcloud", "storage", "cp", "-", secrets_uri(self.site, run_id)], input_text="\n".join(lines) + "\n")
@@ -362,7 +407,7 @@ class TpuBackend(Backend):
             self.gcloud(describe_argv(self.site, qr_id))  # raises the explained error
         return parse_describe(res.stdout)
 
-    def query(self, job_ids: list[str], run_dir: Path | None = None) -> dict[str, JobInfo]:
+    def query(self, job_ids: list[str], run=None) -> dict[str, JobInfo]:
         out = {}
         for job_id in job_ids:
             st = self.describe(job_id)
@@ -375,14 +420,11 @@ class TpuBackend(Backend):
         if res.returncode != 0 and not re.search(r"NOT_FOUND|was not found", res.stderr):
             self.gcloud(delete_argv(self.site, qr_id))
 
-    def cancel(self, job_ids: list[str], run_dir: Path | None = None) -> None:
+    def cancel(self, job_ids: list[str], run=None) -> None:
         for job_id in job_ids:
             self.delete(job_id)
 
-    def current_job_id(self, environ) -> str | None:
-        return environ.get("HPCRL_JOB_ID")
-
-    def end_time(self, job_id: str, run_dir: Path, environ) -> float | None:
+    def end_time(self, job_id: str, run, environ) -> float | None:
         value = environ.get("HPCRL_JOB_END_TIME")  # set by the startup script from the segment hours
         return float(value) if value else None
 
@@ -402,9 +444,10 @@ class TpuBackend(Backend):
 
     def pull_outputs(self, run_dir: Path) -> None:
         """Logs, metrics and the checkpoint pointer into the local run dir (for status and logs)."""
-        uri = run_uri(self.site, Path(run_dir).name)
-        (Path(run_dir) / "checkpoints").mkdir(exist_ok=True)
-        for argv in (["rsync", "--recursive", f"{uri}/logs", str(Path(run_dir) / "logs")],
-                     ["cp", f"{uri}/metrics.jsonl", str(Path(run_dir) / "metrics.jsonl")],
-                     ["cp", f"{uri}/checkpoints/LATEST", str(Path(run_dir) / "checkpoints" / "LATEST")]):
+        here, vm = RunLayout(run_dir), RunLayout(run_uri(self.site, Path(run_dir).name))
+        here.checkpoints.mkdir(exist_ok=True)
+        pointer = "LATEST"  # hpcrl.ckptstore's pointer file: all that `status` reads of checkpoints
+        for argv in (["rsync", "--recursive", _uri(vm.logs), str(here.logs)],
+                     ["cp", _uri(vm.metrics), str(here.metrics)],
+                     ["cp", _uri(vm.checkpoints / pointer), str(here.checkpoints / pointer)]):
             self.gcloud(["gcloud", "storage", *argv], check=False)  # absent until the VM wrote them

@@ -96,6 +96,8 @@ class Trainer:
         """
         return ""
 
-    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path) -> int | None:
-        """The step of the newest complete checkpoint, or None; cheap (called by `status`)."""
+    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
+        """The step of the newest complete checkpoint, or None. remote=False (`status`): cheap,
+        never the network; remote=True (a segment's hooks, a watcher): may list remote storage
+        and cache what it found in the run directory."""
         return protocol.latest_checkpoint_step(ckpt_dir)

@@ -96,16 +96,26 @@ class MaxTextTrainer(Trainer):
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # HF_TOKEN comes from the user's env, never the spec
 
-    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path) -> int | None:
+    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
         # MaxText writes under base_output_directory/run_name, not the run's checkpoints/ dir:
         # find that place from the run's frozen spec.
+        from ..runs import RunLayout
+
+        layout = RunLayout(run_dir)
         try:
-            resolved = json.loads((Path(run_dir) / "spec.json").read_text(encoding="utf-8"))
+            resolved = json.loads(layout.spec.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return maxtext_checkpoint_step(ckpt_dir)
         ctx = TrainerContext(run_id=Path(run_dir).name, run_dir=Path(run_dir), ckpt_dir=Path(ckpt_dir),
                              args=resolved["spec"]["args"], site=resolved["site"], resources=resolved["spec"]["resources"])
-        return maxtext_checkpoint_step(self.checkpoint_root(ctx))
+        root = self.checkpoint_root(ctx)
+        if not root.startswith("gs://"):
+            return maxtext_checkpoint_step(root)
+        if not remote:  # `status`: what the last listing found (never the network)
+            return read_step_cache(layout.checkpoint_cache)
+        step = _gs_checkpoint_step(root)
+        write_step_cache(layout.checkpoint_cache, step)
+        return step
 
     def checkpoint_root(self, ctx: TrainerContext) -> str:
         """Where MaxText writes its step directories (types.py: base/run_name/checkpoints/)."""
@@ -123,8 +133,6 @@ def checkpoint_period(a: dict) -> int:
 def maxtext_checkpoint_step(ckpt_dir) -> int | None:
     """Newest <step>/ directory. Orbax writes <step>.orbax-checkpoint-tmp-*/ and renames it when
     complete, so an all-digit name is a finished save."""
-    if str(ckpt_dir).startswith("gs://"):
-        return _gs_checkpoint_step(str(ckpt_dir))
     try:
         steps = [int(p.name) for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name.isdigit()]
     except OSError:
@@ -132,21 +140,39 @@ def maxtext_checkpoint_step(ckpt_dir) -> int | None:
     return max(steps) if steps else None
 
 
+def read_step_cache(path) -> int | None:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def write_step_cache(path, step: int | None) -> None:
+    import time
+
+    from ..atomicio import atomic_write_json
+
+    atomic_write_json(path, {"step": step, "listed": time.time()})
+
+
 def _gs_checkpoint_step(url: str) -> int | None:
     """Newest step directory under a gs:// checkpoint root, listed with `gcloud storage ls`.
 
-    The segment's end hook runs on the TPU VM, where gcloud is installed and authorised; without
-    this, every segment would look like no progress and the run would stop as a crash loop.
-    HPCRL_GS overrides the command (as in the TPU startup script).
+    Called where listing is allowed to take time: the segment's end hook (on the TPU VM, where
+    gcloud is installed and authorised; without it every segment would look like no progress)
+    and the TPU watcher; they cache the answer for `status`. HPCRL_GS overrides the command (as
+    in the TPU startup script).
     """
     import os
-    import subprocess
+
+    from ..errors import BackendError
+    from ..proc import run_command
 
     # HPCRL_GS is a command of plain words ("gcloud storage"), split as the startup script does.
     argv = os.environ.get("HPCRL_GS", "gcloud storage").split() + ["ls", url.rstrip("/") + "/"]
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        out = run_command(argv, timeout_s=60, check=False).stdout
+    except BackendError:
         return None
     steps = [int(m.group(1)) for m in re.finditer(r"/(\d+)/\s*$", out, re.M)]
     return max(steps) if steps else None

@@ -252,7 +252,7 @@ class VerlTrainer(Trainer):
 
     # ------------------------------------------------------------ progress
 
-    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path) -> int | None:
+    def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
         return verl_checkpoint_step(ckpt_dir)
 
 

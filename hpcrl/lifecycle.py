@@ -1,0 +1,424 @@
+"""The run lifecycle: states, stop reasons and transitions, as pure functions on a clock.
+
+A run's state is a plain dict (what state.json holds). Every transition here takes that dict,
+the event's data and `now` (unix seconds, injected: tests drive whole chains on a fake clock),
+changes the dict and returns the *actions* the caller must carry out with a backend:
+`Queue(after)` (submit one more segment) and `Cancel(job_ids)`. Nothing here runs a process,
+reads a file or looks at a clock, so the rules (budget, crash loop, lost segments, cancel,
+resume, preemption back-off) are tested in milliseconds; `launch` executes the actions under the
+run's lock, and the segment script and every backend reach the rules only through it.
+
+Stop reasons are data (`state["stop"] = {"kind": ..., ...}`); `state["reason"]` is the text a
+person reads and is never parsed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from .errors import RunError
+
+
+class RunState(str, enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    CHECKPOINTING = "CHECKPOINTING"  # shown while a running segment saves for its walltime
+    RESUBMITTED = "RESUBMITTED"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    STOPPED = "STOPPED"
+
+    @property
+    def active(self) -> bool:
+        return self in ACTIVE
+
+    @property
+    def final(self) -> bool:
+        return not self.active
+
+
+ACTIVE = frozenset({RunState.PENDING, RunState.RUNNING, RunState.CHECKPOINTING, RunState.RESUBMITTED})
+FINAL = frozenset(set(RunState) - ACTIVE)
+
+
+class SegState(str, enum.Enum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SKIPPED = "SKIPPED"      # started, found nothing to do, exited at once
+    CANCELLED = "CANCELLED"  # never ran
+    CONTINUE = "CONTINUE"    # stopped for continuation (checkpointed before the walltime)
+    COMPLETE = "COMPLETE"    # finished the training
+    FAILED = "FAILED"
+    LOST = "LOST"            # ended without its end hook (node failure, hard kill, preemption)
+
+
+LIVE = frozenset({SegState.QUEUED, SegState.RUNNING})
+
+
+class Stop(str, enum.Enum):
+    """Why a chain stopped: what control flow branches on."""
+
+    COMPLETE = "complete"
+    CRASH_LOOP = "crash_loop"
+    BUDGET = "budget"
+    MAX_SEGMENTS = "max_segments"
+    CANCELLED = "cancelled"
+    NO_JOBS = "no_jobs"              # no job of an active run is left in the queue
+    QUEUE_FAILED = "queue_failed"    # the next segment could not be submitted
+    RETRIES = "retries"              # preempted or lost too often in a row (watched backends)
+    BACKEND_FAILED = "backend_failed"  # the scheduler failed the job itself (a TPU queued resource)
+
+
+CRASH_LOOP_SEGMENTS = 2  # segments in a row without checkpoint progress that fail a run
+
+
+@dataclass(frozen=True)
+class Queue:
+    """Submit one more segment; `after`: the job it must wait for (afterany), if any."""
+
+    after: str | None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job_ids: tuple
+
+
+# ---------------------------------------------------------------- reading a state
+
+
+def run_state(state: dict) -> RunState:
+    return RunState(state["state"])
+
+
+def is_active(state: dict) -> bool:
+    return run_state(state).active
+
+
+def seg_state(seg: dict) -> SegState:
+    return SegState(seg["state"])
+
+
+def live_segments(state: dict) -> list[dict]:
+    return [s for s in state["segments"] if seg_state(s) in LIVE]
+
+
+def segment_by_job(state: dict, job_id) -> dict | None:
+    for seg in state["segments"]:
+        if seg.get("job_id") == str(job_id):
+            return seg
+    return None
+
+
+def used_hours(state: dict, now: float | None = None) -> float:
+    total = 0.0
+    for seg in state["segments"]:
+        if seg.get("started"):
+            end = seg.get("ended") or (now if seg_state(seg) == SegState.RUNNING else None) or seg["started"]
+            total += max(0.0, end - seg["started"])
+    return total / 3600.0
+
+
+def ran_segments(state: dict) -> int:
+    return sum(1 for s in state["segments"] if s.get("started"))
+
+
+def planned_segments(budget: dict) -> int:
+    if budget.get("total_hours") and budget.get("hours"):
+        return min(budget["max_segments"], max(1, math.ceil(budget["total_hours"] / budget["hours"] - 1e-9)))
+    return budget["max_segments"]
+
+
+def stop_kind(state: dict) -> Stop | None:
+    stop = state.get("stop")
+    return Stop(stop["kind"]) if stop else None
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+def new_state(run_id: str, site: str, scheduler: str, trainer: str, budget: dict, now: float) -> dict:
+    """budget: hours (of each segment), hours_min, total_hours, max_segments. state.json is its one
+    owner: `resume` changes it there and every backend reads it from there."""
+    return {"run_id": run_id, "state": RunState.PENDING.value, "reason": "", "stop": None, "created": now,
+            "site": site, "scheduler": scheduler, "trainer": trainer, "budget": dict(budget), "segments": [],
+            "no_progress": 0, "resumed_at": None, "events": []}
+
+
+def add_event(state: dict, what: str, now: float) -> None:
+    state["events"].append({"time": round(now, 3), "what": what})
+    del state["events"][:-200]  # bounded: state.json is rewritten on every change
+
+
+def _set(state: dict, run: RunState, reason: str = "", stop: dict | None = None) -> None:
+    state["state"], state["reason"], state["stop"] = run.value, reason, stop
+
+
+def queued(state: dict, job_id: str, after: str | None, now: float) -> dict:
+    """Record a segment the backend accepted."""
+    seg = {"job_id": str(job_id), "state": SegState.QUEUED.value, "submitted": now, "after": after}
+    state["segments"].append(seg)
+    return seg
+
+
+def budget_stop(state: dict) -> dict | None:
+    """Why the chain must not run another segment (counting those started so far), or None."""
+    budget = state["budget"]
+    if state["no_progress"] >= CRASH_LOOP_SEGMENTS:
+        return {"kind": Stop.CRASH_LOOP.value}
+    used = used_hours(state)
+    if budget.get("total_hours") is not None and used >= budget["total_hours"] - 1e-9:
+        return {"kind": Stop.BUDGET.value, "used": used, "total": budget["total_hours"]}
+    if ran_segments(state) >= budget["max_segments"]:
+        return {"kind": Stop.MAX_SEGMENTS.value, "max": budget["max_segments"]}
+    return None
+
+
+def describe(stop: dict, run_id: str = "RUN") -> str:
+    """The text a person reads for a stop reason."""
+    kind = Stop(stop["kind"])
+    if kind is Stop.BUDGET:
+        return f"budget spent ({stop['used']:.2f} of {stop['total']:g} h)"
+    if kind is Stop.MAX_SEGMENTS:
+        return f"max_segments reached ({stop['max']})"
+    if kind is Stop.CRASH_LOOP:
+        return (f"no checkpoint progress in {CRASH_LOOP_SEGMENTS} segments in a row; "
+                f"last error: {stop.get('error') or '(no log output)'}")
+    if kind is Stop.COMPLETE:
+        return "training complete"
+    if kind is Stop.CANCELLED:
+        return "cancelled by the user"
+    if kind is Stop.NO_JOBS:
+        return f"no job left in the queue (ended outside hpcrl); `hpcrl resume {run_id}` continues it"
+    if kind is Stop.QUEUE_FAILED:
+        return f"could not queue the next segment ({stop.get('error')}); `hpcrl resume {run_id}`"
+    if kind is Stop.RETRIES:
+        return (f"queued resource preempted or lost {stop['retries']} times in a row "
+                f"(site.max_retries={stop['limit']}); `hpcrl resume {run_id}` tries again")
+    return stop.get("error") or kind.value
+
+
+def fix_flag(stop: dict) -> str:
+    """The `hpcrl resume` option that lifts a budget stop."""
+    return "--max-segments" if Stop(stop["kind"]) is Stop.MAX_SEGMENTS else "--total-hours"
+
+
+def _count_progress(state: dict, seg: dict) -> None:
+    start, end = seg.get("start_step"), seg.get("end_step")
+    progressed = end is not None and (start is None or end > start)
+    state["no_progress"] = 0 if progressed else state.get("no_progress", 0) + 1
+
+
+def mark_lost(state: dict, seg: dict, step: int | None, why: str, now: float) -> None:
+    """A running segment whose job ended without its end hook: judged by its checkpoints. The one
+    place that closes a segment as LOST."""
+    seg.update(state=SegState.LOST.value, ended=now, end_step=step, rc=None, reason=why)
+    _count_progress(state, seg)
+    add_event(state, f"segment {seg.get('k') or '-'} (job {seg.get('job_id')}) {why}", now)
+
+
+def cancel_queued(state: dict, now: float, why: str | None = None) -> list:
+    """Close every queued segment as CANCELLED (the one place); the Cancel action for them."""
+    ids = []
+    for seg in state["segments"]:
+        if seg_state(seg) == SegState.QUEUED:
+            seg.update(state=SegState.CANCELLED.value, ended=now)
+            if why:
+                seg["reason"] = why
+            ids.append(seg["job_id"])
+    return [Cancel(tuple(ids))] if ids else []
+
+
+def finish(state: dict, stop: dict, now: float, run_id: str = "RUN", error_tail=None) -> list:
+    """Stop the chain: the final state (unless already final) and the cancelled successors.
+    error_tail: a callable giving the trainer's last log lines (read only for a crash loop)."""
+    if is_active(state):
+        kind = Stop(stop["kind"])
+        if kind is Stop.CRASH_LOOP and error_tail is not None and "error" not in stop:
+            stop = {**stop, "error": error_tail()}
+        final = {Stop.COMPLETE: RunState.COMPLETED, Stop.CRASH_LOOP: RunState.FAILED,
+                 Stop.BACKEND_FAILED: RunState.FAILED, Stop.CANCELLED: RunState.CANCELLED}.get(kind, RunState.STOPPED)
+        _set(state, final, describe(stop, run_id), stop)
+        add_event(state, f"run {final.value.lower()}: {state['reason']}", now)
+    return cancel_queued(state, now)
+
+
+def _state_stop(state: dict) -> dict | None:
+    """A run that is no longer active keeps its stop; this is what a late segment reports."""
+    if is_active(state):
+        return None
+    return state.get("stop") or {"kind": Stop.CANCELLED.value}
+
+
+# ---------------------------------------------------------------- segment hooks
+
+
+def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) -> tuple[dict, list]:
+    """A segment starts (`_segment begin` in the job). Returns (segment, actions); the segment's
+    state is SKIPPED when the run needs nothing more, else RUNNING with its number `k`."""
+    seg = segment_by_job(state, job_id)
+    if seg is None:  # a job the user submitted by hand (sbatch job.sh): adopt it
+        seg = {"job_id": str(job_id), "submitted": now, "after": None}
+        state["segments"].append(seg)
+    for other in state["segments"]:
+        # still RUNNING while another starts: it ended without its end hook
+        if other is not seg and other.get("state") == SegState.RUNNING.value:
+            mark_lost(state, other, step, "ended without its end hook", now)
+    stop = _state_stop(state) or budget_stop(state)
+    if stop:
+        seg.update(state=SegState.SKIPPED.value, started=None, ended=now, reason=describe(stop, state["run_id"]))
+        return seg, finish(state, stop, now, state["run_id"])
+    seg.update(state=SegState.RUNNING.value, started=now, start_step=step, k=ran_segments(state) + 1)
+    _set(state, RunState.RUNNING)
+    add_event(state, f"segment {seg['k']} started (job {job_id})", now)
+    return seg, ([Queue(after=str(job_id))] if chains and budget_stop(state) is None else [])
+
+
+def successor_failed(state: dict, error: str, now: float) -> None:
+    """Queueing the successor at begin failed: the segment still runs; its end tries again."""
+    add_event(state, f"could not queue the successor: {error}", now)
+
+
+def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obeys_protocol: bool,
+        chains: bool, exit_complete: int, exit_continue: int, error_tail=None) -> list:
+    """The trainer of a segment exited with `rc` (`_segment end`). Returns the actions."""
+    seg = segment_by_job(state, job_id)
+    if seg is None or seg_state(seg) != SegState.RUNNING:
+        return []
+    seg.update(ended=now, rc=rc, end_step=step)
+    if rc == exit_complete:
+        seg["state"] = SegState.COMPLETE.value
+        add_event(state, f"segment {seg['k']} completed the training", now)
+        return finish(state, {"kind": Stop.COMPLETE.value}, now, state["run_id"])
+    _count_progress(state, seg)
+    # A trainer that knows no protocol (MaxText) is killed at the walltime: a segment that
+    # advanced its checkpoint is a continuation, whatever its exit code.
+    ok = rc == exit_continue or (not obeys_protocol and state["no_progress"] == 0)
+    seg["state"] = (SegState.CONTINUE if ok else SegState.FAILED).value
+    add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}", now)
+    stop = _state_stop(state) or budget_stop(state)
+    if stop:
+        return finish(state, stop, now, state["run_id"], error_tail)
+    if any(seg_state(s) == SegState.QUEUED for s in state["segments"]):
+        _set(state, RunState.RESUBMITTED)
+        return []
+    if chains:
+        _set(state, RunState.RESUBMITTED)
+        return [Queue(after=str(job_id))]
+    # A backend that cannot queue from inside the job (TPU VMs): its reconciler starts the next
+    # segment when it sees this state.
+    _set(state, RunState.RESUBMITTED, "waiting for the next segment to be started")
+    return []
+
+
+def queue_failed(state: dict, error: str, now: float) -> None:
+    """The next segment could not be submitted: the chain stops, resumable."""
+    stop = {"kind": Stop.QUEUE_FAILED.value, "error": error}
+    _set(state, RunState.STOPPED, describe(stop, state["run_id"]), stop)
+    add_event(state, state["reason"], now)
+
+
+# ---------------------------------------------------------------- user commands
+
+
+def cancel(state: dict, now: float) -> list:
+    """`hpcrl cancel`: the run is CANCELLED; every live job goes."""
+    if not is_active(state):
+        raise RunError(f"run '{state['run_id']}' is already {state['state']}; nothing to cancel")
+    running = tuple(s["job_id"] for s in state["segments"] if seg_state(s) == SegState.RUNNING)
+    stop = {"kind": Stop.CANCELLED.value}
+    _set(state, RunState.CANCELLED, describe(stop), stop)
+    add_event(state, "cancelled by the user", now)
+    actions = cancel_queued(state, now)
+    # a running segment is closed by its own end hook (or, if that never runs, as LOST)
+    return actions + ([Cancel(running)] if running else [])
+
+
+def resume(state: dict, now: float, hours: float | None = None, total_hours: float | None = None,
+           max_segments: int | None = None) -> list:
+    """`hpcrl resume`: continue a stopped, cancelled or failed run (budget changes included)."""
+    run_id = state["run_id"]
+    if is_active(state):
+        raise RunError(f"run '{run_id}' is {state['state']}; it continues by itself (hpcrl cancel {run_id} to stop it)")
+    if run_state(state) == RunState.COMPLETED:
+        raise RunError(f"run '{run_id}' is COMPLETED; start a new run to train further")
+    budget = state["budget"]
+    for key, value in (("hours", hours), ("total_hours", total_hours), ("max_segments", max_segments)):
+        if value is not None:
+            budget[key] = value
+    state["no_progress"] = 0
+    stop = budget_stop(state)
+    if stop:
+        raise RunError(f"run '{run_id}': {describe(stop, run_id)}; give it more with "
+                       f"`hpcrl resume {run_id} {fix_flag(stop)} N`")
+    _set(state, RunState.PENDING, "resumed")
+    state["resumed_at"] = now
+    add_event(state, "resumed by the user", now)
+    return [Queue(after=None)]
+
+
+# ---------------------------------------------------------------- reconciling with the scheduler
+
+
+def no_live_jobs(state: dict, step: int | None, now: float) -> None:
+    """An active run none of whose jobs is alive any more (ended outside hpcrl): STOPPED."""
+    for seg in state["segments"]:
+        if seg_state(seg) == SegState.RUNNING:
+            mark_lost(state, seg, step, "ended outside hpcrl", now)
+    cancel_queued(state, now)
+    stop = {"kind": Stop.NO_JOBS.value}
+    _set(state, RunState.STOPPED, describe(stop, state["run_id"]), stop)
+    add_event(state, state["reason"], now)
+
+
+def close_segment(state: dict, job_id: str, why: str, step: int | None, now: float) -> None:
+    """A segment whose job ended without its end hook (a preempted or deleted VM)."""
+    seg = segment_by_job(state, job_id)
+    if seg is None or seg_state(seg) not in LIVE:
+        return
+    if seg_state(seg) == SegState.QUEUED:
+        seg.update(state=SegState.CANCELLED.value, ended=now, reason=why)
+        add_event(state, f"segment - (job {job_id}) {why}", now)
+    else:
+        mark_lost(state, seg, step, why, now)
+
+
+def next_segment(state: dict, now: float) -> list:
+    """For reconcilers of backends that cannot queue from inside a job: the next segment of an
+    active run with no live segment, or the stop when the run must not go on."""
+    if not is_active(state) or live_segments(state):
+        return []
+    stop = budget_stop(state)
+    if stop:
+        return finish(state, stop, now, state["run_id"])
+    return [Queue(after=None)]
+
+
+def fail(state: dict, kind: Stop, detail: str, now: float, **data) -> None:
+    """The backend ended the run (its job failed outside the trainer, or retries ran out)."""
+    if not is_active(state):
+        return
+    stop = {"kind": kind.value, "error": detail, **data}
+    final = RunState.FAILED if kind is Stop.BACKEND_FAILED else RunState.STOPPED
+    _set(state, final, describe(stop, state["run_id"]), stop)
+    add_event(state, f"run {final.value.lower()}: {state['reason']}", now)
+
+
+def retries_in_a_row(state: dict, outcomes: list[tuple[float, str | None]], retry_outcomes) -> int:
+    """(created, outcome) of closed attempts, oldest first: how many at the end were preempted or
+    lost, counting only those since the user last resumed the run."""
+    since = state.get("resumed_at") or 0
+    count = 0
+    for created, outcome in reversed([o for o in outcomes if o[0] > since]):
+        if outcome not in retry_outcomes:
+            break
+        count += 1
+    return count
+
+
+def backoff_due(last_closed: float, retries: int, interval_s: float, cap_s: float) -> float:
+    """When a preempted attempt may be re-created: exponential in units of the poll interval."""
+    return last_closed + min(cap_s, interval_s * 2 ** max(0, retries - 1))

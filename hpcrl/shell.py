@@ -1,0 +1,19 @@
+"""Shell quoting: the one function every user string that reaches bash goes through. Stdlib only."""
+
+from __future__ import annotations
+
+import shlex
+
+# The job's trainer interpreter, chosen at run time (venv or hpcrl's own): adapters put it in
+# argv as ctx.python; it is the one value `q` leaves as a shell variable.
+TRAINER_PY = '"$trainer_py"'
+
+
+def q(value) -> str:
+    """Quote one value for bash. The only quoting function that user strings go through."""
+    value = str(value)
+    return value if value == TRAINER_PY else shlex.quote(value)
+
+
+def command_line(argv: list[str]) -> str:
+    return " ".join(q(a) for a in argv)
