@@ -24,6 +24,14 @@ except ImportError:
     pass
 
 
+def pytest_collection_modifyitems(config, items):
+    # Under xdist (scripts/test runs -n 2 --dist loadgroup) the Slurm tests share one worker: they
+    # share one cluster, and mostly wait on it, while the other worker runs everything else.
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """An isolated hpcrl home and user-sites dir for one test."""

@@ -100,15 +100,3 @@ def test_second_submit_of_same_run_is_refused(fast_local):
     again = hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--name", "dup", check=False)
     assert again.returncode == 2 and "already exists" in again.stderr and "hpcrl resume dup" in again.stderr
     assert len(run_state("dup")["segments"]) <= 2  # nothing more was queued
-
-
-def test_resume_of_running_run_refused_and_budget_stops_chain(fast_local):
-    _submit(fast_local, "budget", "--set", "args.steps=1000", "--set", "args.step_time_s=0.2",
-            "--max-segments", "2")
-    r = hpcrl("resume", "budget", check=False)
-    assert r.returncode == 2 and "continues by itself" in r.stderr
-    state = wait_for("budget")
-    assert state["state"] == "STOPPED" and "max_segments" in state["reason"]
-    assert len([s for s in state["segments"] if s.get("started")]) == 2
-    r = hpcrl("resume", "budget", check=False)
-    assert r.returncode == 2 and "--max-segments" in r.stderr

@@ -1,0 +1,283 @@
+"""The lifecycle's rules on a fake clock, in milliseconds: budget, max_segments, crash loop, lost
+segments, cancel/resume, the successor chain, a scheduler that loses jobs, TPU preemption
+back-off. Whole chains go through the real launcher (run directory, state file under its lock,
+the smoke trainer's checkpoint pointer) with a TEST DOUBLE of the backend that records jobs in
+memory; the real-process and real-Slurm tests keep what only they can show (signals, traps,
+the scheduler's own behaviour)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl import launch, lifecycle, protocol
+from hpcrl.backends.base import Backend, JobInfo, JobState
+from hpcrl.errors import BackendError, RunError
+from hpcrl.lifecycle import RunState, SegState, Stop
+from hpcrl.spec import resolve
+
+CONTINUE, COMPLETE = protocol.EXIT_CONTINUE, protocol.EXIT_COMPLETE
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeScheduler(Backend):
+    """A TEST DOUBLE of a scheduler: jobs are dict entries; `fail_submit` makes submit raise."""
+
+    name = "fake"
+
+    def __init__(self, site):
+        super().__init__(site)
+        self.jobs: dict[str, dict] = {}
+        self.fail_submit = False
+        self.polls = 0
+
+    def submit(self, run, resolved, after=None):
+        if self.fail_submit:
+            raise BackendError("sbatch failed: Socket timed out on send/recv operation")
+        job_id = str(100 + len(self.jobs))
+        self.jobs[job_id] = {"state": JobState.PENDING, "after": after, "hours": resolved["spec"]["budget"]["hours"]}
+        return job_id
+
+    def query(self, job_ids, run=None):
+        return {j: JobInfo(j, self.jobs[j]["state"] if j in self.jobs else JobState.UNKNOWN) for j in job_ids}
+
+    def poll(self, jobs):
+        self.polls += 1
+        return self.query([j for _, j in jobs])
+
+    def cancel(self, job_ids, run=None):
+        for j in job_ids:
+            self.jobs[j]["state"] = JobState.CANCELLED
+
+    def end_time(self, job_id, run, environ):
+        return None  # the launcher falls back to now + hours
+
+
+@pytest.fixture
+def chain(home, monkeypatch):
+    """(make_run, clock, scheduler): runs of the smoke trainer whose backend is the double."""
+    clock, sched = Clock(), FakeScheduler({})
+    monkeypatch.setattr(launch, "clock", clock)
+    monkeypatch.setattr(launch, "for_site", lambda site: sched)
+
+    def make_run(name="r", *sets, hours=1.0):
+        resolved = resolve(None, "local", ["args.steps=100", *sets], {"trainer": "smoke", "hours": hours})
+        return launch.submit(resolved, name)
+
+    return make_run, clock, sched
+
+
+def checkpoint(run, step: int) -> None:
+    """What the trainer's save leaves for the launcher: the pointer to its newest checkpoint."""
+    run.layout.checkpoints.mkdir(exist_ok=True)
+    (run.layout.checkpoints / "LATEST").write_text(f"step-{step:08d}\n")
+
+
+def segment(run, clock, sched, rc: int, step: int | None, seconds: float = 3600.0) -> str:
+    """Run the newest queued job as a segment: begin, train for `seconds`, checkpoint, end."""
+    job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
+    sched.jobs[job]["state"] = JobState.RUNNING
+    started = launch.segment_begin(str(run.dir), job, environ={})
+    if started is None:
+        sched.jobs[job]["state"] = JobState.COMPLETED
+        return job
+    clock.advance(seconds)
+    if step is not None:
+        checkpoint(run, step)
+    launch.segment_end(str(run.dir), job, rc)
+    sched.jobs[job]["state"] = JobState.COMPLETED
+    return job
+
+
+def test_chain_continues_then_completes_with_one_successor_at_a_time(chain):
+    make_run, clock, sched = chain
+    run = make_run()
+    for step in (10, 20):
+        segment(run, clock, sched, CONTINUE, step)
+        live = lifecycle.live_segments(run.state())
+        assert [s["state"] for s in live] == ["QUEUED"], "exactly one successor queued"
+        assert run.state()["state"] == RunState.RESUBMITTED
+    segment(run, clock, sched, COMPLETE, 30)
+    state = run.state()
+    assert state["state"] == RunState.COMPLETED and state["stop"] == {"kind": "complete"}
+    ran = [s for s in state["segments"] if s.get("started")]
+    assert [(s["k"], s["start_step"], s["end_step"], s["state"]) for s in ran] == [
+        (1, None, 10, "CONTINUE"), (2, 10, 20, "CONTINUE"), (3, 20, 30, "COMPLETE")]
+    # the successor queued at segment 3's start found the run complete and was cancelled
+    assert state["segments"][-1]["state"] == SegState.CANCELLED
+    assert sched.jobs[state["segments"][-1]["job_id"]]["state"] == JobState.CANCELLED
+    assert lifecycle.used_hours(state) == pytest.approx(3.0)
+
+
+def test_segment_deadline_comes_from_the_walltime_when_the_scheduler_cannot_say(chain):
+    make_run, clock, sched = chain
+    run = make_run(hours=2.0)
+    job = run.state()["segments"][0]["job_id"]
+    k, deadline = launch.segment_begin(str(run.dir), job, environ={})
+    assert k == 1 and deadline == pytest.approx(clock.now + 2 * 3600 - run.spec()["site"]["exit_margin_s"])
+
+
+def test_total_hours_budget_stops_the_chain_and_resume_needs_more(chain):
+    make_run, clock, sched = chain
+    run = make_run("b", "budget.total_hours=2.5", hours=1.0)
+    for step in (10, 20, 30):
+        segment(run, clock, sched, CONTINUE, step)
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == Stop.BUDGET
+    assert state["reason"] == "budget spent (3.00 of 2.5 h)"
+    assert not lifecycle.live_segments(state)
+    with pytest.raises(RunError, match="--total-hours"):
+        launch.resume("b")
+    launch.resume("b", total_hours=5)
+    segment(run, clock, sched, COMPLETE, 40)
+    assert run.state()["state"] == RunState.COMPLETED
+
+
+def test_max_segments_stops_and_resume_names_the_flag(chain):
+    make_run, clock, sched = chain
+    run = make_run("m", "budget.max_segments=2")
+    with pytest.raises(RunError, match="continues by itself"):
+        launch.resume("m")
+    segment(run, clock, sched, CONTINUE, 10)
+    segment(run, clock, sched, CONTINUE, 20)
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"] == {"kind": "max_segments", "max": 2}
+    with pytest.raises(RunError, match="--max-segments"):
+        launch.resume("m")
+    launch.resume("m", max_segments=3)
+    assert run.state()["state"] == RunState.PENDING and run.state()["resumed_at"] == clock.now
+
+
+def test_crash_loop_fails_the_run_with_the_trainers_last_error(chain):
+    make_run, clock, sched = chain
+    run = make_run("c")
+    job = segment(run, clock, sched, 1, None)
+    run.layout.log(job).write_text("hpcrl: segment\nTraceback ...\nValueError: boom\n")
+    assert run.state()["state"] == RunState.RESUBMITTED  # one failure is not a loop
+    segment(run, clock, sched, 1, None)
+    state = run.state()
+    assert state["state"] == RunState.FAILED and state["stop"]["kind"] == Stop.CRASH_LOOP
+    assert "no checkpoint progress in 2 segments" in state["reason"] and "ValueError: boom" in state["reason"]
+    assert not lifecycle.live_segments(state)
+
+
+def test_progress_between_failures_is_no_crash_loop(chain):
+    make_run, clock, sched = chain
+    run = make_run()
+    segment(run, clock, sched, 1, 5)     # failed, but checkpointed further
+    segment(run, clock, sched, 1, 9)
+    segment(run, clock, sched, 1, None)  # no progress once
+    assert run.state()["state"] == RunState.RESUBMITTED and run.state()["no_progress"] == 1
+
+
+def test_segment_that_died_without_its_end_hook_is_closed_lost_by_its_successor(chain):
+    make_run, clock, sched = chain
+    run = make_run()
+    first = run.state()["segments"][0]["job_id"]
+    launch.segment_begin(str(run.dir), first, environ={})
+    clock.advance(600)
+    checkpoint(run, 15)  # the periodic save before the node died; no end hook ran
+    sched.jobs[first]["state"] = JobState.FAILED
+    segment(run, clock, sched, COMPLETE, 30)
+    state = run.state()
+    lost, second = [s for s in state["segments"] if s.get("started")]
+    assert lost["state"] == SegState.LOST and lost["end_step"] == 15 and lost["ended"] == clock.now - 3600
+    assert second["start_step"] == 15 and state["state"] == RunState.COMPLETED
+
+
+def test_successor_submit_failures_at_begin_and_end(chain):
+    make_run, clock, sched = chain
+    run = make_run("f")
+    sched.fail_submit = True
+    job = run.state()["segments"][0]["job_id"]
+    assert launch.segment_begin(str(run.dir), job, environ={})[0] == 1
+    assert "could not queue the successor" in run.state()["events"][-1]["what"]
+    assert run.state()["state"] == RunState.RUNNING  # the segment trains on
+    checkpoint(run, 3)
+    launch.segment_end(str(run.dir), job, CONTINUE)
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == Stop.QUEUE_FAILED
+    assert "hpcrl resume f" in state["reason"] and state["segments"][0]["state"] == SegState.CONTINUE
+    sched.fail_submit = False
+    launch.resume("f")
+    assert run.state()["state"] == RunState.PENDING
+
+
+def test_cancel_then_resume_and_a_late_successor_does_nothing(chain):
+    make_run, clock, sched = chain
+    run = make_run("x")
+    job = run.state()["segments"][0]["job_id"]
+    launch.segment_begin(str(run.dir), job, environ={})
+    successor = run.state()["segments"][1]["job_id"]
+    launch.cancel("x")
+    assert {sched.jobs[j]["state"] for j in (job, successor)} == {JobState.CANCELLED}
+    checkpoint(run, 7)  # the SIGTERM made the trainer save
+    launch.segment_end(str(run.dir), job, CONTINUE)
+    state = run.state()
+    assert state["state"] == RunState.CANCELLED and state["segments"][0]["end_step"] == 7
+    with pytest.raises(RunError, match="already CANCELLED"):
+        launch.cancel("x")
+    assert launch.segment_begin(str(run.dir), successor, environ={}) is None  # nothing to do
+    launch.resume("x")
+    segment(run, clock, sched, COMPLETE, 20)
+    state = run.state()
+    assert state["state"] == RunState.COMPLETED
+    assert [s for s in state["segments"] if s.get("started")][-1]["start_step"] == 7
+
+
+def test_resume_hours_change_the_one_budget_record_and_the_next_submission(chain):
+    make_run, clock, sched = chain
+    run = make_run("h", "budget.max_segments=1", hours=1.0)
+    segment(run, clock, sched, CONTINUE, 10)
+    launch.resume("h", hours=0.5, max_segments=2)
+    newest = run.state()["segments"][-1]["job_id"]
+    assert sched.jobs[newest]["hours"] == 0.5, "the backend was given the new hours"
+    assert run.state()["budget"]["hours"] == 0.5 and run.spec()["spec"]["budget"]["hours"] == 0.5
+    assert "budget" not in __import__("json").loads(run.layout.spec.read_text())["spec"], "one owner: state.json"
+
+
+def test_status_reconciles_a_chain_whose_jobs_vanished_with_one_poll(chain):
+    make_run, clock, sched = chain
+    runs_ = [make_run(f"v{i}") for i in range(5)]
+    for r in runs_[:3]:
+        sched.jobs[r.state()["segments"][0]["job_id"]]["state"] = JobState.UNKNOWN  # purged by the scheduler
+    states = launch.refresh_many(runs_)
+    assert sched.polls == 1
+    assert [states[r.id]["state"] for r in runs_] == ["STOPPED"] * 3 + ["PENDING"] * 2
+    assert states["v0"]["stop"]["kind"] == Stop.NO_JOBS and "hpcrl resume v0" in states["v0"]["reason"]
+
+
+# ---------------------------------------------------------------- pure rules
+
+
+def test_a_trainer_without_the_protocol_continues_when_its_checkpoint_advanced():
+    state = lifecycle.new_state("m", "tpu", "tpu", "maxtext", {"hours": 1, "total_hours": None, "max_segments": 9}, 0)
+    lifecycle.queued(state, "q1", None, 0)
+    lifecycle.begin(state, "q1", None, 1, chains=False)
+    kw = dict(obeys_protocol=False, chains=False, exit_complete=0, exit_continue=85)
+    assert lifecycle.end(state, "q1", 143, 50, 3600, **kw) == []  # killed at the walltime, but saved
+    assert state["segments"][0]["state"] == SegState.CONTINUE
+    assert state["reason"] == "waiting for the next segment to be started"
+    assert lifecycle.next_segment(state, 3601) == [lifecycle.Queue(after=None)]
+
+
+def test_preemption_back_off_and_retries_since_the_last_resume():
+    outcomes = [(10, "preempted"), (20, "done"), (30, "preempted"), (40, "lost")]
+    retry = ("preempted", "lost")
+    assert lifecycle.retries_in_a_row({"resumed_at": None}, outcomes, retry) == 2
+    assert lifecycle.retries_in_a_row({"resumed_at": 35}, outcomes, retry) == 1
+    assert [lifecycle.backoff_due(100, n, 60, 1800) for n in (1, 2, 3, 10)] == [160, 220, 340, 1900]
+
+
+def test_planned_segments():
+    assert lifecycle.planned_segments({"hours": 4, "total_hours": 10, "max_segments": 20}) == 3
+    assert lifecycle.planned_segments({"hours": 4, "total_hours": None, "max_segments": 20}) == 20
