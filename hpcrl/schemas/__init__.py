@@ -58,6 +58,9 @@ def divisors(n: int, limit: int = 8) -> str:
     return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
 
 
+KINDS = ("int", "float", "bool", "str", "list", "choice")
+
+
 def _same(a, b) -> bool:
     # True == 1 in Python; a choice matches only a value of its own type
     return type(a) is type(b) and a == b
@@ -86,6 +89,10 @@ class Field:
     required: bool = False
     nonempty: bool = False  # str: '' is refused
 
+    def __post_init__(self):
+        if self.kind not in KINDS or (self.kind == "choice") != (self.choices is not None):
+            raise ValueError(f"field {self.name}: kind {self.kind!r} (one of {KINDS}) with choices only for 'choice'")
+
     def allowed(self) -> str:
         """What this field takes, in words (the tail of every error about it)."""
         null = ", or null" if self.nullable else ""
@@ -93,14 +100,12 @@ class Field:
             return f"use one of {', '.join(show(c) for c in self.choices)}{null}"
         if self.kind in ("int", "float"):
             noun = "a whole number" if self.kind == "int" else "a number"
-            lo = f">= {_num(self.ge)}" if self.ge is not None else f"> {_num(self.gt)}" if self.gt is not None else ""
-            hi = f"<= {_num(self.le)}" if self.le is not None else f"< {_num(self.lt)}" if self.lt is not None else ""
+            lo = ("[", ">=", self.ge) if self.ge is not None else ("(", ">", self.gt) if self.gt is not None else None
+            hi = ("]", "<=", self.le) if self.le is not None else (")", "<", self.lt) if self.lt is not None else None
             if lo and hi:
-                left = "[" if self.ge is not None else "("
-                right = "]" if self.le is not None else ")"
-                return f"use {noun} in {left}{_num(self.ge if self.ge is not None else self.gt)}, " \
-                       f"{_num(self.le if self.le is not None else self.lt)}{right}{null}"
-            return f"use {noun}{' ' + (lo or hi) if lo or hi else ''}{null}"
+                return f"use {noun} in {lo[0]}{_num(lo[2])}, {_num(hi[2])}{hi[0]}{null}"
+            bound = lo or hi
+            return f"use {noun}{f' {bound[1]} {_num(bound[2])}' if bound else ''}{null}"
         if self.kind == "bool":
             return f"use true or false{null}"
         if self.kind == "list":
@@ -195,6 +200,8 @@ class Schema:
             if f.name in self._fields:
                 raise ValueError(f"schema {trainer}: field {f.name} declared twice")
             self._fields[f.name] = f
+            if not (f.required and f.default is None):
+                f.check(f.default, self.where(f.name))  # a table whose own default is refused is a bug
 
     def __repr__(self) -> str:
         return f"Schema({self.trainer!r}, {len(self._fields)} fields, {len(self.checks)} checks)"

@@ -52,17 +52,16 @@ class Trainer:
     # The spec's `args:`: every key with its default, type, bounds and a one-line doc
     # (hpcrl/schemas). `defaults` and `required` below are read from it.
     schema: Schema = Schema("base", [])
+    defaults: dict = {}    # key -> default (None: required or no default)
+    required: tuple = ()   # keys the user must set (no sensible default exists)
     # Runs the trainer as the protocol says (signals + deadline) or needs help (verl, maxtext).
     obeys_protocol = True
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         assert cls.schema.trainer == cls.name, f"{cls.__name__}: schema is for '{cls.schema.trainer}'"
-        cls.defaults = cls.schema.defaults  # key -> default (None: required or no default)
-        cls.required = cls.schema.required  # keys the user must set (no sensible default exists)
-
-    defaults: dict = {}
-    required: tuple = ()
+        cls.defaults = cls.schema.defaults
+        cls.required = cls.schema.required
 
     def validate_args(self, args: dict) -> dict:
         """Return args merged over the defaults, every value checked against the schema: unknown,
