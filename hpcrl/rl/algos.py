@@ -2,16 +2,17 @@
 
 Shapes: B sequences (prompts x group) by T response tokens; `mask` is 1.0 on real response
 tokens. Every function is pure so the unit tests can check it against hand computations.
+
+The facts about each algorithm (its default clip and aggregation, which ratio it uses, whether
+advantages are divided by the group's std) are in the registry hpcrl/schemas/builtin.py
+ALGORITHMS; this module holds only the math those facts name (RATIOS, LOSS_AGGS).
 """
 
 from __future__ import annotations
 
 import torch
 
-ALGORITHMS = ("grpo", "dr_grpo", "gspo", "gspo_token")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# (clip_low, clip_high) defaults: GRPO's PPO-style 0.2; GSPO's paper values for sequence ratios.
-DEFAULT_CLIP = {"grpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4)}
+from ..schemas.builtin import ALGORITHMS, LOSS_AGGS, RATIOS
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True,
@@ -52,27 +53,31 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: 
         return masked_mean(per_token, mask, dim=1).mean()
     if mode == "seq-mean-token-sum-norm":
         return ((per_token * mask).sum(dim=1) / float(norm_len or per_token.shape[1])).mean()
-    raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, not {mode!r}")
+    raise ValueError(f"loss_agg must be one of {tuple(LOSS_AGGS)}, not {mode!r}")
 
 
 def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, algorithm: str) -> torch.Tensor:
-    """Per-token log importance ratio as each algorithm defines it (B x T)."""
+    """Per-token log importance ratio as each algorithm defines it (B x T): its registry entry
+    names one of RATIOS."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, not {algorithm!r}")
+    kind = ALGORITHMS[algorithm].ratio
     token = (logp - old_logp) * mask
-    if algorithm in ("grpo", "dr_grpo"):
+    if kind == "token":
         return token
     seq = masked_mean(token, mask, dim=1).unsqueeze(1)  # log s_i = mean_t log(pi/pi_old)
-    if algorithm == "gspo":
+    if kind == "sequence":
         return seq.expand_as(token)
-    if algorithm == "gspo_token":
+    if kind == "sequence-token":
         # s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]: GSPO's value, per-token gradient path
         return seq.detach() + logp - logp.detach()
-    raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
+    raise ValueError(f"ratio must be one of {tuple(RATIOS)}, not {kind!r}")
 
 
 def policy_loss(logp, old_logp, advantages, mask, algorithm="grpo", clip_low=None, clip_high=None,
                 loss_agg="token-mean", ref_logp=None, beta=0.0, norm_len=None):
     """Clipped surrogate (+ beta * k3 KL to the reference). Returns (loss, stats dict of floats)."""
-    default_low, default_high = DEFAULT_CLIP[algorithm] if algorithm in DEFAULT_CLIP else (0.2, 0.2)
+    default_low, default_high = ALGORITHMS[algorithm].clip if algorithm in ALGORITHMS else (0.2, 0.2)
     low = default_low if clip_low is None else clip_low
     high = default_high if clip_high is None else clip_high
     ratio = torch.exp(log_ratio(logp, old_logp, mask, algorithm))

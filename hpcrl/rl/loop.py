@@ -10,6 +10,7 @@ import time
 import torch
 
 from .. import protocol
+from ..schemas.builtin import ALGORITHMS
 from . import algos, checkpoint, data, metrics, policy, prepare, rewards, warmup
 from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler
@@ -195,7 +196,7 @@ class RLTrainer:
         examples = [self.train_ex[i] for i in idx for _ in range(cfg["group_size"])]
         scores = torch.tensor([float(self.reward_fn(ex["data_source"], text, ex["ground_truth"], ex["extra_info"]))
                                for ex, text in zip(examples, batch.texts)])
-        adv = algos.group_advantages(scores, cfg["group_size"], scale_by_std=cfg["algorithm"] != "dr_grpo")
+        adv = algos.group_advantages(scores, cfg["group_size"], scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
         stats = self._update(batch, adv.to(self.device))
         self.rollout.sync_weights(self.model)
         ntok = int(batch.response_mask.sum().item())

@@ -18,7 +18,7 @@ from .. import protocol
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcrl.rl.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="trainer.json: the spec's args (see hpcrl/rl/config.py)")
+    parser.add_argument("--config", required=True, help="trainer.json: the spec's args (see hpcrl/schemas/builtin.py)")
     ns = parser.parse_args(argv)
     ctx = protocol.Context.from_env()
     # Handlers go in before torch is imported: SIGUSR1's default action would kill the process.

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import protocol
-from ..errors import SpecError, did_you_mean, one_of
+from ..errors import SpecError
+from ..schemas import Schema
 
 
 def check_override_keys(overrides, pattern, key_group: int, owned, example: str) -> list[str]:
@@ -45,33 +46,27 @@ class TrainerContext:
 
 
 class Trainer:
-    """Base adapter. Subclasses set `name`, `defaults` and override `command`."""
+    """Base adapter. Subclasses set `name` and `schema` and override `command`."""
 
     name = "base"
-    # Allowed keys of the spec's `args:` with their defaults; None means "required/no default".
-    defaults: dict = {}
-    # Keys in `defaults` that the user must set (no sensible default exists).
-    required: tuple = ()
+    # The spec's `args:`: every key with its default, type, bounds and a one-line doc
+    # (hpcrl/schemas). `defaults` and `required` below are read from it.
+    schema: Schema = Schema("base", [])
+    defaults: dict = {}    # key -> default (None: required or no default)
+    required: tuple = ()   # keys the user must set (no sensible default exists)
     # Runs the trainer as the protocol says (signals + deadline) or needs help (verl, maxtext).
     obeys_protocol = True
 
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        assert cls.schema.trainer == cls.name, f"{cls.__name__}: schema is for '{cls.schema.trainer}'"
+        cls.defaults = cls.schema.defaults
+        cls.required = cls.schema.required
+
     def validate_args(self, args: dict) -> dict:
-        """Return args merged over the defaults; unknown or missing keys raise SpecError."""
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            raise SpecError(f"args: expected a mapping of {self.name} trainer arguments, got {type(args).__name__}")
-        for key in args:
-            if key not in self.defaults:
-                raise SpecError(
-                    f"args.{key}: unknown argument for trainer '{self.name}'{did_you_mean(key, self.defaults)}; "
-                    f"allowed: {one_of(self.defaults)}"
-                )
-        merged = {**self.defaults, **args}
-        for key in self.required:
-            if merged.get(key) in (None, ""):
-                raise SpecError(f"args.{key}: trainer '{self.name}' needs a value; set it in the spec or with --set args.{key}=VALUE")
-        return merged
+        """Return args merged over the defaults, every value checked against the schema: unknown,
+        missing or bad values raise a one-line SpecError (hpcrl.schemas.ArgError) naming the key."""
+        return self.schema.validate(args)
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""

@@ -18,7 +18,8 @@ import json
 import re
 from pathlib import Path
 
-from ..errors import SpecError, did_you_mean, one_of
+from ..errors import SpecError, did_you_mean
+from ..schemas import Choice, Float, Int, Schema, Str, StrList
 from .base import Trainer, TrainerContext, check_override_keys
 
 MAXTEXT_VERSION = "0.2.5"
@@ -30,37 +31,38 @@ OWNED_KEYS = ("run_name", "base_output_directory", "chips_per_vm", "load_paramet
 _KEY = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 
 
+_NONE_OR_POSITIVE = dict(ge=1, nullable=True)
+SCHEMA = Schema("maxtext", [
+    Choice("algorithm", "grpo", LOSS_ALGO, "grpo | gspo (loss_algo=gspo-token)"),
+    Str("model_name", "llama3.1-8b-Instruct", "MaxText model name (configs/models/<name>.yml, -Instruct stripped)",
+        nonempty=True),
+    Str("load_parameters_path", None, "MaxText checkpoint .../0/items (tutorial option 1 or 2)", required=True,
+        nullable=True, nonempty=True),
+    Str("tokenizer_path", None, "null: MaxText's HF id for model_name", nullable=True, nonempty=True),
+    Str("base_output_directory", None, "null: <run dir>/maxtext; on TPU use gs://BUCKET/...", nullable=True,
+        nonempty=True),
+    Str("run_name", None, "null: the run id (must stay the same across segments)", nullable=True, nonempty=True),
+    Int("num_batches", None, "null: rl.yml's (4, a smoke run); 3738 = one GSM8K epoch", **_NONE_OR_POSITIVE),
+    Int("batch_size", None, "null: rl.yml's", **_NONE_OR_POSITIVE),
+    Int("num_generations", None, "responses per prompt; null: rl.yml's", **_NONE_OR_POSITIVE),
+    Float("learning_rate", None, "null: rl.yml's", gt=0, nullable=True),
+    Int("num_epoch", None, "null: rl.yml's", **_NONE_OR_POSITIVE),
+    Int("checkpoint_period", None, "steps between saves; null: sized from step_time_s, else rl.yml's 50",
+        **_NONE_OR_POSITIVE),
+    Float("step_time_s", None, "measured seconds per step, to size checkpoint_period", gt=0, nullable=True),
+    Float("save_every_s", 1800, "target seconds between saves when step_time_s is known", gt=0),
+    Int("max_num_checkpoints_to_keep", 3, "checkpoints kept", ge=1),
+    StrList("overrides", [], "extra key=value for rl.yml / base.yml keys"),
+])
+
+
 class MaxTextTrainer(Trainer):
     name = "maxtext"
     obeys_protocol = False  # exits 0 when done; a walltime kill is a continuation if a checkpoint advanced
-    defaults = {
-        "algorithm": "grpo",               # grpo | gspo (loss_algo=gspo-token)
-        "model_name": "llama3.1-8b-Instruct",  # MaxText model name (configs/models/<name>.yml, -Instruct stripped)
-        "load_parameters_path": None,      # MaxText checkpoint .../0/items (tutorial option 1 or 2)
-        "tokenizer_path": None,            # None: MaxText's HF id for model_name
-        "base_output_directory": None,     # None: <run dir>/maxtext; on TPU use gs://BUCKET/...
-        "run_name": None,                  # None: the run id (must stay the same across segments)
-        "num_batches": None,               # None: rl.yml's (4, a smoke run); 3738 = one GSM8K epoch
-        "batch_size": None,
-        "num_generations": None,
-        "learning_rate": None,
-        "num_epoch": None,
-        "checkpoint_period": None,         # steps between saves; None: sized, else rl.yml's 50
-        "step_time_s": None,               # measured seconds per step, to size checkpoint_period
-        "save_every_s": 1800,              # target seconds between saves when step_time_s is known
-        "max_num_checkpoints_to_keep": 3,
-        "overrides": [],                   # extra key=value for rl.yml / base.yml keys
-    }
-    required = ("load_parameters_path",)
+    schema = SCHEMA
 
     def validate_args(self, args: dict) -> dict:
         merged = super().validate_args(args)
-        if merged["algorithm"] not in LOSS_ALGO:
-            raise SpecError(f"args.algorithm: '{merged['algorithm']}' is not one of {one_of(LOSS_ALGO)}")
-        for key in ("checkpoint_period", "num_batches", "batch_size", "num_generations", "num_epoch"):
-            value = merged[key]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise SpecError(f"args.{key}: expected a positive integer, got {value!r}")
         merged["overrides"] = check_user_overrides(merged["overrides"], installed_config_keys())
         return merged
 

@@ -17,29 +17,21 @@ import sys
 import time
 
 from .. import protocol
+from ..schemas import Float, Int, Schema
 from .base import Trainer, TrainerContext
+
+SCHEMA = Schema("smoke", [
+    Int("steps", 60, "total steps of the whole run (across segments)", ge=1),
+    Float("step_time_s", 0.5, "seconds one step takes", ge=0),
+    Int("save_every", 10, "periodic checkpoint interval in steps (what a hard kill can lose)", ge=1),
+    Int("keep_last", 3, "checkpoints kept", ge=1),
+    Int("crash_at_step", None, "exit 1 (without saving) when reaching this step: crash-loop tests", ge=1, nullable=True),
+])
 
 
 class SmokeTrainer(Trainer):
     name = "smoke"
-    defaults = {
-        "steps": 60,            # total steps of the whole run (across segments)
-        "step_time_s": 0.5,     # seconds one step takes
-        "save_every": 10,       # periodic checkpoint interval in steps (what a hard kill can lose)
-        "keep_last": 3,         # checkpoints kept
-        "crash_at_step": None,  # exit 1 (without saving) when reaching this step: crash-loop tests
-    }
-
-    def validate_args(self, args: dict) -> dict:
-        from ..spec import _number
-
-        merged = super().validate_args(args)
-        merged["steps"] = _number(merged["steps"], "args.steps", 1, integer=True, allow_none=False)
-        merged["step_time_s"] = _number(merged["step_time_s"], "args.step_time_s", 0, allow_none=False)
-        merged["save_every"] = _number(merged["save_every"], "args.save_every", 1, integer=True, allow_none=False)
-        merged["keep_last"] = _number(merged["keep_last"], "args.keep_last", 1, integer=True, allow_none=False)
-        merged["crash_at_step"] = _number(merged["crash_at_step"], "args.crash_at_step", 1, integer=True)
-        return merged
+    schema = SCHEMA
 
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         return {"smoke.json": json.dumps(ctx.args, indent=1, sort_keys=True) + "\n"}
@@ -102,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True)
     ns = parser.parse_args(argv)
     with open(ns.config, encoding="utf-8") as f:
-        cfg = {**SmokeTrainer.defaults, **json.load(f)}
+        cfg = {**SCHEMA.defaults, **json.load(f)}
     return train(cfg, protocol.Context.from_env())
 
 

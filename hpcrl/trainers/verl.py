@@ -26,7 +26,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import SpecError, one_of
+from ..errors import SpecError
+from ..schemas import Choice, Float, Int, Schema, Str, StrList, fail
 from .base import Trainer, TrainerContext, check_override_keys
 
 VERL_VERSION = "0.9.1"
@@ -89,64 +90,61 @@ def _scalar(value) -> str:
     return "null" if value is None else str(value)
 
 
+def _check_mini_batch(a: dict, where) -> None:
+    if a["ppo_mini_batch_size"] > a["train_batch_size"]:
+        fail(where("ppo_mini_batch_size"), a["ppo_mini_batch_size"], f"exceeds train_batch_size = {a['train_batch_size']}",
+             "lower it or raise train_batch_size (verl needs train_batch_size >= ppo_mini_batch_size)")
+
+
+_PATH = dict(nullable=True, nonempty=True)
+SCHEMA = Schema("verl", [
+    Choice("algorithm", "grpo", ALGORITHMS, "ppo (GAE + critic, TinyZero) | grpo | gspo"),
+    Str("model", None, "HF model directory (staged on a login node) or hub id", required=True, **_PATH),
+    Str("train_files", None, "parquet (hpcrl's Countdown/GSM8K prep or verl's)", required=True, **_PATH),
+    Str("val_files", None, "parquet of the validation split", required=True, **_PATH),
+    Str("reward", "hpcrl", "hpcrl (hpcrl/rl/rewards.py) | verl (its built-ins) | /path/file.py:fn", nonempty=True),
+    Int("train_batch_size", 256, "prompts per step (data.train_batch_size)", ge=1),
+    Int("val_batch_size", None, "null: the whole validation set in one batch (verl's default)", ge=1, nullable=True),
+    Int("max_prompt_length", 256, "prompt tokens", ge=1),
+    Int("max_response_length", 1024, "response tokens", ge=1),
+    Int("rollout_n", None, "responses per prompt; null: 1 for ppo, 5 for grpo, 16 for gspo", ge=1, nullable=True),
+    Choice("rollout", "vllm", _ROLLOUT_PINS, "vllm | sglang"),
+    Int("rollout_tp", 1, "tensor parallel size of the rollout engine", ge=1),
+    Float("gpu_memory_utilization", 0.4, "share of each GPU the rollout engine may take", gt=0, le=1),
+    Float("actor_lr", 1e-6, "actor learning rate", gt=0),
+    Float("critic_lr", 1e-5, "critic learning rate (ppo)", gt=0),
+    Float("kl_coef", 0.001, "ppo: in-reward KL; grpo: kl_loss_coef", ge=0),
+    Int("ppo_mini_batch_size", 64, "prompts per actor update (<= train_batch_size)", ge=1),
+    Int("micro_batch_size_per_gpu", 8, "actor and critic update micro batch", ge=1),
+    Int("log_prob_micro_batch_size_per_gpu", 8, "rollout log-prob micro batch", ge=1),
+    Int("ref_log_prob_micro_batch_size_per_gpu", 4, "reference log-prob micro batch", ge=1),
+    Int("total_epochs", 15, "passes over the training data", ge=1),
+    Int("total_training_steps", None, "null: total_epochs decides", ge=1, nullable=True),
+    Int("test_freq", 100, "steps between validations; -1: never", ge=-1),
+    Str("project_name", "hpcrl", "tracker project", nonempty=True),
+    Str("experiment_name", None, "null: the run id", **_PATH),
+    Choice("logger", "auto", ("auto", "console", "wandb"), "auto (wandb when WANDB_API_KEY is set) | console | wandb"),
+    Choice("save_mode", "deadline", ("deadline", "periodic"),
+           "deadline (legacy trainer + ESI save) | periodic (v1 trainer)"),
+    Int("save_freq", 100, "regular save interval in steps (first segment in periodic mode)", ge=1),
+    Float("save_every_s", 1800, "periodic mode: target seconds between saves, from measured steps", gt=0),
+    Float("save_time_s", 300, "what one save may take; start the deadline save this much earlier", ge=0),
+    Int("max_ckpt_to_keep", 2, "checkpoints kept; 0: all", ge=0),
+    Choice("ray_cluster", "auto", ("auto", "always", "never"), "auto (nodes > 1) | always | never: start Ray via srun first"),
+    Int("ray_port", 6379, "port of the Ray head", ge=1, le=65535),
+    StrList("overrides", [], "extra Hydra overrides, e.g. ['actor_rollout_ref.actor.entropy_coeff=0.001']"),
+], checks=[_check_mini_batch])
+
+
 class VerlTrainer(Trainer):
     name = "verl"
     obeys_protocol = True  # through verl/launch.py: exit 0 complete, 85 continue
-    defaults = {
-        "algorithm": "grpo",            # ppo (GAE + critic, TinyZero) | grpo | gspo
-        "model": None,                  # HF model directory (staged on a login node) or hub id
-        "train_files": None,            # parquet (hpcrl's Countdown/GSM8K prep or verl's)
-        "val_files": None,
-        "reward": "hpcrl",              # hpcrl (hpcrl/rl/rewards.py) | verl (its built-ins) | /path/file.py:fn
-        "train_batch_size": 256,
-        "val_batch_size": None,         # None: the whole validation set in one batch (verl's default)
-        "max_prompt_length": 256,
-        "max_response_length": 1024,
-        "rollout_n": None,              # responses per prompt; None: 1 for ppo, 5 for grpo, 16 for gspo
-        "rollout": "vllm",              # vllm | sglang
-        "rollout_tp": 1,                # tensor parallel size of the rollout engine
-        "gpu_memory_utilization": 0.4,
-        "actor_lr": 1e-6,
-        "critic_lr": 1e-5,
-        "kl_coef": 0.001,               # ppo: in-reward KL; grpo: kl_loss_coef
-        "ppo_mini_batch_size": 64,
-        "micro_batch_size_per_gpu": 8,  # actor and critic update micro batch
-        "log_prob_micro_batch_size_per_gpu": 8,
-        "ref_log_prob_micro_batch_size_per_gpu": 4,
-        "total_epochs": 15,
-        "total_training_steps": None,
-        "test_freq": 100,
-        "project_name": "hpcrl",
-        "experiment_name": None,        # None: the run id
-        "logger": "auto",               # auto (wandb when WANDB_API_KEY is set) | console | wandb
-        "save_mode": "deadline",        # deadline (legacy trainer + ESI save) | periodic (v1 trainer)
-        "save_freq": 100,               # regular save interval in steps (first segment in periodic mode)
-        "save_every_s": 1800,           # periodic mode: target seconds between saves, from measured steps
-        "save_time_s": 300,             # what one save may take; start the deadline save this much earlier
-        "max_ckpt_to_keep": 2,
-        "ray_cluster": "auto",          # auto (nodes > 1) | always | never: start Ray via srun first
-        "ray_port": 6379,
-        "overrides": [],                # extra Hydra overrides, e.g. ["actor_rollout_ref.actor.entropy_coeff=0.001"]
-    }
-    required = ("model", "train_files", "val_files")
-    _CHOICES = {
-        "algorithm": ALGORITHMS, "rollout": _ROLLOUT_PINS, "logger": ("auto", "console", "wandb"),
-        "save_mode": ("deadline", "periodic"), "ray_cluster": ("auto", "always", "never"),
-    }
+    schema = SCHEMA
 
     # ------------------------------------------------------------ validation
 
     def validate_args(self, args: dict) -> dict:
         merged = super().validate_args(args)
-        for key, allowed in self._CHOICES.items():
-            if merged[key] not in allowed:
-                raise SpecError(f"args.{key}: '{merged[key]}' is not one of {one_of(allowed)}")
-        for key in ("train_batch_size", "ppo_mini_batch_size", "save_freq", "rollout_tp", "total_epochs"):
-            if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1:
-                raise SpecError(f"args.{key}: expected a positive integer, got {merged[key]!r}")
-        if merged["ppo_mini_batch_size"] > merged["train_batch_size"]:
-            raise SpecError(f"args.ppo_mini_batch_size: {merged['ppo_mini_batch_size']} exceeds "
-                            f"train_batch_size {merged['train_batch_size']}; lower it or raise train_batch_size")
         merged["overrides"] = check_user_overrides(merged["overrides"])
         compose_check(self.overrides(_placeholder_ctx(merged)))
         return merged

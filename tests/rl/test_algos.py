@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hpcrl.rl.algos import aggregate, group_advantages, k3_kl, policy_loss
+from hpcrl.schemas.builtin import ALGORITHMS
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
@@ -102,3 +103,17 @@ def test_k3_kl_by_hand_and_beta_penalty():
     loss1, _ = policy_loss(logp, logp, torch.tensor([0.0]), torch.ones(1, 1), "grpo", ref_logp=ref, beta=0.1)
     assert stats["kl_ref"] == pytest.approx(expected, rel=1e-6)
     assert loss1.item() - loss0.item() == pytest.approx(0.1 * expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_registered_algorithm_has_its_math_and_default_clip(name):
+    # one registry entry (hpcrl/schemas/builtin.py) must be enough for the loss to run
+    algo = ALGORITHMS[name]
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.3, 0.3]])).requires_grad_()
+    old = torch.log(torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.9, 0.9]]))  # ratios far outside any clip
+    adv = torch.tensor([-1.0, -1.0])
+    loss, stats = policy_loss(logp, old, adv, MASK, name, loss_agg=algo.loss_agg)
+    explicit, _ = policy_loss(logp, old, adv, MASK, name, *algo.clip, loss_agg=algo.loss_agg)
+    assert loss.item() == pytest.approx(explicit.item()) and math.isfinite(loss.item())
+    with pytest.raises(ValueError):
+        policy_loss(logp, old, adv, MASK, name + "_nope")

@@ -96,14 +96,6 @@ def test_cmd_model_tiny_builds_a_loadable_model(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.model_type == "llama"
 
 
-def test_adapter_defaults_mirror_the_trainer():
-    from hpcrl.trainers import builtin
-
-    assert BuiltinTrainer.defaults == config.DEFAULTS
-    for key, allowed in builtin.CHOICES.items():  # the launcher refuses nothing the trainer takes
-        assert set(allowed) == {a for a in config.CHOICES[key] if a is not None}, key
-
-
 def test_adapter_validates_files_and_command(tmp_path):
     t = BuiltinTrainer()
     with pytest.raises(SpecError, match="did you mean 'group_size'"):

@@ -1,0 +1,166 @@
+"""The built-in trainer's arguments (THE one table) and its algorithms (THE one registry). Stdlib only.
+
+Two users: the launcher's adapter (hpcrl/trainers/builtin.py) checks a spec's `args:` with
+SCHEMA at render/submit, and the trainer (hpcrl/rl/config.py) checks trainer.json with it again.
+
+Adding an algorithm: one entry in ALGORITHMS below (plus its math in hpcrl/rl/algos.py if it
+needs a ratio or aggregation that does not exist yet). Adding an argument: one row in SCHEMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import Bool, Choice, Float, Int, Schema, Str, divisors, fail
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What the trainer needs to know about one policy-gradient algorithm."""
+
+    name: str
+    loss_agg: str               # aggregation used when args.loss_agg is null (a key of LOSS_AGGS)
+    clip: tuple[float, float]   # (clip_low, clip_high) used when args.clip_low / clip_high are null
+    ratio: str                  # importance ratio, a key of RATIOS
+    scale_by_std: bool          # advantages (r - mean) / std of the group; False: r - mean only
+    doc: str = ""
+
+
+# The importance ratios hpcrl/rl/algos.py log_ratio implements.
+RATIOS = {
+    "token": "per-token pi/pi_old, PPO-style",
+    "sequence": "GSPO's length-normalised sequence ratio, the same for every token of a response",
+    "sequence-token": "GSPO-token: the sequence ratio's value with a per-token gradient path",
+}
+# The aggregations hpcrl/rl/algos.py aggregate implements.
+LOSS_AGGS = {
+    "token-mean": "mean over every response token of the batch (verl's default)",
+    "seq-mean-token-mean": "mean per sequence, then over sequences (the GRPO paper, GSPO)",
+    "seq-mean-token-sum-norm": "token sums divided by a constant length (Dr.GRPO: no length bias)",
+}
+_PPO_CLIP = (0.2, 0.2)    # GRPO's PPO-style clip
+_GSPO_CLIP = (3e-4, 4e-4)  # the GSPO paper's values for sequence ratios
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("grpo", "token-mean", _PPO_CLIP, "token", True, "GRPO: group-normalised advantages, token ratio"),
+    Algorithm("dr_grpo", "seq-mean-token-sum-norm", _PPO_CLIP, "token", False,
+              "Dr.GRPO: GRPO without the std division and without length bias"),
+    Algorithm("gspo", "seq-mean-token-mean", _GSPO_CLIP, "sequence", True, "GSPO: sequence-level ratio"),
+    Algorithm("gspo_token", "seq-mean-token-mean", _GSPO_CLIP, "sequence-token", True,
+              "GSPO-token: GSPO's ratio, per-token gradient"),
+)}
+for _a in ALGORITHMS.values():  # a registry entry must name math that exists
+    assert _a.loss_agg in LOSS_AGGS and _a.ratio in RATIOS, _a
+
+
+def algorithm(name: str) -> Algorithm:
+    """The registry entry for `name` (KeyError names the known ones)."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise KeyError(f"algorithm must be one of {tuple(ALGORITHMS)}, not {name!r}") from None
+
+
+COUNTDOWN_OPS = "+-*/"
+
+
+def _check_data_files(a: dict, where) -> None:
+    if a["data"] == "files" and not a["train_files"]:
+        fail(where("train_files"), a["train_files"], "is not allowed when args.data is 'files'",
+             "use the absolute path of a parquet file (verl's schema)")
+
+
+def _check_batches(a: dict, where) -> None:
+    rows = a["batch_size"] * a["group_size"]
+    if rows % a["mini_batches"]:
+        fail(where("mini_batches"), a["mini_batches"], f"does not divide batch_size * group_size = {rows}",
+             f"use a divisor such as {divisors(rows)}")
+
+
+def _check_countdown(a: dict, where) -> None:
+    if a["countdown_min_count"] > a["countdown_max_count"]:
+        fail(where("countdown_min_count"), a["countdown_min_count"],
+             f"exceeds countdown_max_count = {a['countdown_max_count']}", "use a whole number <= countdown_max_count")
+    ops = a["countdown_ops"]
+    if not ops or set(ops) - set(COUNTDOWN_OPS) or len(set(ops)) != len(ops):
+        fail(where("countdown_ops"), ops, "is not a set of operators",
+             f"use some of the characters {COUNTDOWN_OPS}, each once")
+
+
+def _check_tiny(a: dict, where) -> None:
+    if a["model"] == "tiny" and a["tiny_hidden_size"] % a["tiny_heads"]:
+        fail(where("tiny_heads"), a["tiny_heads"], f"does not divide tiny_hidden_size = {a['tiny_hidden_size']}",
+             f"use a divisor such as {divisors(a['tiny_hidden_size'])}")
+
+
+SCHEMA = Schema("builtin", [
+    # --- model and data
+    Str("model", "tiny", "'tiny': build a small Llama into RUN_DIR/model; else a local HF model dir", nonempty=True),
+    Int("tiny_hidden_size", 128, "tiny model only: width", ge=1),
+    Int("tiny_layers", 2, "tiny model only: depth", ge=1),
+    Int("tiny_heads", 4, "tiny model only: attention heads (divides tiny_hidden_size)", ge=1),
+    Int("tiny_max_int", 1000, "tiny model only: largest whole number that is one token", ge=1),
+    Choice("data", "countdown", ("countdown", "files"),
+           "countdown: generate into RUN_DIR/data; files: use train_files/val_files"),
+    Str("train_files", None, "parquet (verl schema) when data: files", nullable=True),
+    Str("val_files", None, "parquet of the val split when data: files (null: train_files)", nullable=True),
+    Int("countdown_train_size", 4096, "generated training problems", ge=1),
+    Int("countdown_test_size", 256, "generated test problems", ge=1),
+    Int("countdown_min_count", 3, "fewest numbers per problem (TinyZero: 3-4)", ge=1),
+    Int("countdown_max_count", 4, "most numbers per problem", ge=1),
+    Int("countdown_max_number", 99, "largest number in a problem", ge=2),
+    Int("countdown_max_target", 999, "largest target", ge=1),
+    Str("countdown_ops", COUNTDOWN_OPS, "operators problems may use (some of + - * /)", nonempty=True),
+    Bool("countdown_test_disjoint", True,
+         "test problems never seen in training (false: independent draws, as TinyZero)"),
+    Choice("prompt_template", "base", ("base", "tiny"),
+           "countdown prompt: base (TinyZero's text) or tiny (for the word-level model)"),
+    Choice("chat_template", "auto", ("auto", True, False),
+           "auto: use the tokenizer's chat template when it has one; true / false to force"),
+    Str("reward", "auto", "auto (by data_source) | countdown | gsm8k | gsm8k_flexible | module:function | "
+        "/file.py:function", nonempty=True),
+    # --- algorithm
+    Choice("algorithm", "grpo", ALGORITHMS, "policy-gradient algorithm (hpcrl/schemas/builtin.py ALGORITHMS)"),
+    Choice("loss_agg", None, LOSS_AGGS, "null: the algorithm's own (grpo token-mean, gspo seq-mean-token-mean, "
+           "dr_grpo seq-mean-token-sum-norm)", nullable=True),
+    Int("group_size", 8, "completions per prompt (GRPO's G)", ge=1),
+    Int("batch_size", 8, "prompts per step, so batch_size * group_size completions", ge=1),
+    Int("ppo_epochs", 1, "optimisation passes over each rollout batch", ge=1),
+    Int("mini_batches", 1, "optimizer steps per pass (divides batch_size * group_size)", ge=1),
+    Int("micro_batch_size", 0, "rows per forward/backward (gradient accumulation); 0: a whole mini-batch", ge=0),
+    Float("clip_low", None, "null: the algorithm's (0.2 grpo, 3e-4 gspo)", ge=0, lt=1, nullable=True),
+    Float("clip_high", None, "null: the algorithm's (0.2 grpo, 4e-4 gspo)", ge=0, nullable=True),
+    Float("beta", 0.0, "k3 KL penalty to the frozen reference (0: no reference model kept)", ge=0),
+    Float("lr", 1e-6, "learning rate of the RL steps", gt=0),
+    Int("lr_warmup_steps", 0, "linear warm-up of the learning rate, in RL steps", ge=0),
+    Float("weight_decay", 0.0, "AdamW weight decay", ge=0),
+    Float("max_grad_norm", 1.0, "gradient clipping norm", gt=0),
+    Int("total_steps", 100, "RL steps (not counting sft_steps)", ge=0),
+    # --- optional supervised warm-up (format only) that runs before RL as part of the recipe
+    Int("sft_steps", 0, "supervised warm-up steps before RL", ge=0),
+    Float("sft_lr", 1e-3, "learning rate of the warm-up", gt=0),
+    # --- rollout
+    Choice("rollout", "hf", ("hf", "hf-generate", "vllm"),
+           "hf (KV-cache sampling loop, prompts shared per group) | hf-generate | vllm"),
+    Float("temperature", 1.0, "sampling temperature", gt=0),
+    Float("top_p", 1.0, "nucleus sampling mass", gt=0, le=1),
+    Int("max_prompt_length", 512, "prompt tokens kept (left-truncated)", ge=1),
+    Int("max_response_length", 256, "response tokens sampled at most", ge=1),
+    Float("vllm_gpu_memory_utilization", 0.4, "share of the GPU vLLM may take (rollout: vllm)", gt=0, le=1),
+    # --- evaluation
+    Bool("eval_before", True, "evaluate on the val split before training (segment 1 only)"),
+    Bool("eval_after", True, "evaluate after the last step"),
+    Int("eval_every", 0, "steps between evaluations; 0: only before/after", ge=0),
+    Int("eval_size", 256, "rows of the val split used", ge=1),
+    Int("eval_batch_size", 64, "prompts per evaluation batch", ge=1),
+    # --- checkpoints and runtime
+    Int("save_every", 50, "steps between periodic checkpoints (a stop always saves); 0: only at stops", ge=0),
+    Int("keep_last", 3, "checkpoints kept", ge=1),
+    Bool("async_save", True, "write periodic checkpoints in a background thread"),
+    Int("seed", 0, "seed of every random stream", ge=0),
+    Choice("dtype", "float32", ("float32", "bfloat16"), "parameter dtype"),
+    Choice("device", "auto", ("auto", "cpu", "cuda"), "where the policy runs"),
+    Int("threads", 0, "torch CPU threads; 0: leave torch's default", ge=0),
+    Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",
+        nullable=True),
+], checks=[_check_data_files, _check_batches, _check_countdown, _check_tiny])
