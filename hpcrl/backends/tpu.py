@@ -316,6 +316,9 @@ class TpuBackend(Backend):
 
         tpu_watch.follow_in_background(run, self, interval_s, ops)
 
+    def explain(self, message: str) -> str | None:
+        return explain(message, self.site)
+
     def settled(self, run) -> bool:
         from . import tpu_watch
 

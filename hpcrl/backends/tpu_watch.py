@@ -129,7 +129,7 @@ def _observe(run, backend, ops, rec: dict) -> None:
         outcome = "preempted" if raw == "SUSPENDED" else "done"
     elif raw == "FAILED":
         outcome = "failed"
-        _fail(run, ops, qr, st.error, backend.site)
+        _fail(run, ops, qr, st.error, backend)
     elif not active:
         outcome = "cancelled"
     else:
@@ -179,10 +179,8 @@ def _set_reason(run, reason: str, only_in=ACTIVE) -> None:
             state["reason"] = reason
 
 
-def _fail(run, ops, qr: str, error: str, site: dict) -> None:
-    from .tpu import explain
-
-    fix = explain(error, site)
+def _fail(run, ops, qr: str, error: str, backend) -> None:
+    fix = backend.explain(error)
     ops.fail(run, Stop.BACKEND_FAILED,
              f"queued resource {qr} FAILED: {error or 'no error given'}" + (f"; {fix}" if fix else ""))
 

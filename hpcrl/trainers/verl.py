@@ -374,7 +374,7 @@ def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str
     the batch shell exits (EXIT trap), so no head outlives its segment and holds the port or the
     GPUs when the next segment lands on the same node.
     """
-    from ..render import q  # the one quoting path (lazy: render imports the trainer registry)
+    from ..shell import q  # the one quoting path
 
     # No drain on TERM (Ray >= 2.5x waits up to 30 s for a GCS that gets the same TERM): verl
     # runs no Ray Serve, the one thing draining is for.
