@@ -10,26 +10,15 @@ import hashlib
 import math
 import os
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
 from .errors import SiteError
 from .paths import hpcrl_home, templates_dir
+from .shell import TRAINER_PY, command_line, q
 from .trainers import get_trainer
 from .trainers.base import TrainerContext
-
-
-# The job's trainer interpreter, chosen at run time (venv or hpcrl's own): adapters put it in
-# argv as ctx.python; it is the one value `q` leaves as a shell variable.
-TRAINER_PY = '"$trainer_py"'
-
-
-def q(value) -> str:
-    """Quote one value for bash. The only quoting function that user strings go through."""
-    value = str(value)
-    return value if value == TRAINER_PY else shlex.quote(value)
 
 
 @dataclass
@@ -198,7 +187,3 @@ def render_script(resolved: dict, paths: RunPaths) -> str:
         bootstrap=trainer.bootstrap(ctx), command=command_line(trainer.command(ctx)),
         forward_usr1=trainer.obeys_protocol,
     )
-
-
-def command_line(argv: list[str]) -> str:
-    return " ".join(q(a) for a in argv)

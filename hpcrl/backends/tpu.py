@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BackendError, SiteError, one_of
+from ..shell import q
 from ..protocol import atomic_write_json, atomic_write_text
 from .base import Backend, JobInfo, JobState, run_command, stderr_tail
 
@@ -249,8 +250,6 @@ def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
 
     from .. import __version__
     from ..paths import templates_dir
-    from ..render import q
-
     site = resolved["site"]
     jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, autoescape=False)
@@ -341,8 +340,6 @@ class TpuBackend(Backend):
     def upload_secrets(self, run_id: str) -> bool:
         # Through stdin, so the values touch no file here; only when this shell has them (a
         # watcher started without them keeps what the submitting shell uploaded).
-        from ..render import q
-
         lines = [f"export {k}={q(os.environ[k])}" for k in SECRET_NAMES if os.environ.get(k)]
         if lines:
             self.gcloud(["gcloud", "storage", "cp", "-", secrets_uri(self.site, run_id)], input_text="\n".join(lines) + "\n")

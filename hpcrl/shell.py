@@ -1,0 +1,24 @@
+"""Shell text: the one quoting path for every value that reaches bash. Stdlib only.
+
+The segment script (render.py), the TPU startup script (backends/tpu.py) and the adapters that
+build shell text (trainers/verl.py) all quote through `q`.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+# The job's trainer interpreter, chosen at run time (venv or hpcrl's own): adapters put it in
+# argv as ctx.python; it is the one value `q` leaves as a shell variable.
+TRAINER_PY = '"$trainer_py"'
+
+
+def q(value) -> str:
+    """Quote one value for bash. The only quoting function that user strings go through."""
+    value = str(value)
+    return value if value == TRAINER_PY else shlex.quote(value)
+
+
+def command_line(argv: list[str]) -> str:
+    """An argv as one bash command line, every word quoted by `q`."""
+    return " ".join(q(a) for a in argv)
