@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import protocol, runs
+from . import atomicio, protocol, runs
 from .backends import get_backend
 from .errors import BackendError, RunError, SpecError
 from .paths import hpcrl_home
@@ -72,7 +72,7 @@ def _write_run_dir(tmp: Path, resolved: dict, paths: RunPaths, script: str) -> N
         (tmp / name).write_text(text, encoding="utf-8")
     pkg = Path(__file__).resolve().parent
     shutil.copytree(pkg, tmp / "lib" / "hpcrl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    protocol.atomic_write_json(tmp / "state.json", runs.new_state(paths.run_id, resolved))
+    atomicio.atomic_write_json(tmp / "state.json", runs.new_state(paths.run_id, resolved))
 
 
 def create_run(resolved: dict, run_id: str | None = None) -> Run:
@@ -348,7 +348,7 @@ def _rerender(run: Run, hours: float) -> None:
     resolved["spec"]["budget"]["hours"] = _positive(hours, "--hours")
     _validate_qos(resolved["site"], hours)
     paths = RunPaths(run.id, run.dir, resolved["site"].get("hpcrl_python") or sys.executable)
-    protocol.atomic_write_text(run.dir / "job.sh", render_script(resolved, paths), mode=0o755)
+    atomicio.atomic_write_text(run.dir / "job.sh", render_script(resolved, paths), mode=0o755)
 
 
 def refresh(run: Run) -> dict:

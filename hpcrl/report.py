@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import protocol, runs
+from . import atomicio, ckptstore, protocol, runs
 from .errors import HpcrlError
 from .runs import Run
 
@@ -23,7 +23,7 @@ def _ckpt_info(run: Run, trainer: str) -> tuple[int | None, float | None]:
     step = get_trainer(trainer).checkpoint_step(run.dir, ckpt_dir)
     if step is None:
         return None, None
-    path = ckpt_dir / protocol.checkpoint_name(step)
+    path = ckpt_dir / ckptstore.checkpoint_name(step)
     try:
         return step, (path if path.exists() else ckpt_dir).stat().st_mtime
     except OSError:
@@ -107,7 +107,7 @@ def status_rows(ids: list[str], refresh) -> list[tuple]:
         out.append((run, state, row))
     if fresh != cache:
         try:
-            protocol.atomic_write_json(_cache_path(), fresh)
+            atomicio.atomic_write_json(_cache_path(), fresh)
         except OSError:
             pass  # a read-only home still gets a (slower) status
     return out

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .errors import RunError, did_you_mean
 from .paths import hpcrl_home
-from .protocol import atomic_write_json, atomic_write_text
+from .atomicio import atomic_write_json, atomic_write_text
 
 # Run states (what `status` shows).
 PENDING, RUNNING, CHECKPOINTING, RESUBMITTED = "PENDING", "RUNNING", "CHECKPOINTING", "RESUBMITTED"

@@ -31,7 +31,7 @@ import time
 from . import launch, runs
 from .backends.base import JobState
 from .errors import BackendError, HpcrlError
-from .protocol import atomic_write_json
+from .atomicio import atomic_write_json
 from .runs import Run
 
 BACKOFF_CAP_S = 1800.0  # the longest wait before re-creating a preempted VM

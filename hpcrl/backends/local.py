@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..errors import BackendError
-from ..protocol import atomic_write_json
+from ..atomicio import atomic_write_json
 from .base import Backend, JobInfo, JobState
 
 POLL_S = 0.1

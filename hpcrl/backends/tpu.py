@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..atomicio import atomic_write_json, atomic_write_text
 from ..errors import BackendError, SiteError, one_of
 from ..shell import q
-from ..protocol import atomic_write_json, atomic_write_text
 from .base import Backend, JobInfo, JobState, run_command, stderr_tail
 
 PROVISIONING = {  # mode -> (gcloud release track, extra create flags)
