@@ -1,4 +1,8 @@
-"""Atomic files: write to a temporary file beside the target, fsync, rename. Stdlib only."""
+"""Atomic files: write a temporary file beside the target, fsync, rename over it. Stdlib only.
+
+Used for every piece of state a crash must not tear: the run's state.json, registry entries,
+job records, rendered scripts, checkpoint manifests and pointers.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,11 @@ import json
 import os
 from pathlib import Path
 
+# tempfile is imported where used: `hpcrl status` imports this module and must start fast.
+
 
 def fsync_dir(path) -> None:
+    """Make a rename in `path` durable (best effort: some filesystems refuse fsync on a directory)."""
     try:
         fd = os.open(str(path), os.O_RDONLY)
     except OSError:

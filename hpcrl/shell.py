@@ -1,4 +1,8 @@
-"""Shell quoting: the one function every user string that reaches bash goes through. Stdlib only."""
+"""Shell text: the one quoting path for every value that reaches bash. Stdlib only.
+
+The segment script (render.py), the TPU startup script (backends/tpu.py) and the adapters that
+build shell text (trainers/verl.py) all quote through `q`.
+"""
 
 from __future__ import annotations
 
@@ -16,4 +20,5 @@ def q(value) -> str:
 
 
 def command_line(argv: list[str]) -> str:
+    """An argv as one bash command line, every word quoted by `q`."""
     return " ".join(q(a) for a in argv)

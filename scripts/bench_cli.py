@@ -34,7 +34,7 @@ def timed(argv, env) -> float:
 
 def fake_registry(home: Path, n: int) -> None:
     """n finished runs, each with a state, a checkpoint pointer and a metrics file."""
-    from hpcrl import protocol, runs
+    from hpcrl import atomicio, runs
 
     os.environ["HPCRL_HOME"] = str(home)
     for i in range(n):
@@ -47,7 +47,7 @@ def fake_registry(home: Path, n: int) -> None:
         state["segments"] = [{"job_id": str(k), "k": k, "state": "CONTINUE", "started": 1e9 + k * 3600,
                               "ended": 1e9 + k * 3600 + 3500, "start_step": k * 10, "end_step": k * 10 + 10}
                              for k in range(3)]
-        protocol.atomic_write_json(run_dir / "state.json", state)
+        atomicio.atomic_write_json(run_dir / "state.json", state)
         (run_dir / "checkpoints" / "LATEST").write_text("step-00000030\n")
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": s / 30}) + "\n"
                                                        for s in range(1, 31)))

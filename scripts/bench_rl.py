@@ -55,9 +55,9 @@ def setup(work: Path) -> tuple[Path, Path, Path]:
     """(warm model dir, train parquet, test parquet) after the recipe's format warm-up."""
     out = run_builtin(work / "warmup", {**RECIPE, "sft_steps": 60, "sft_lr": 3e-3, "total_steps": 0,
                                         "eval_before": False, "eval_after": False, "save_every": 0})
-    from hpcrl import protocol
+    from hpcrl.ckptstore import CheckpointStore
 
-    step, ckpt = protocol.find_latest_checkpoint(work / "warmup" / "checkpoints")
+    step, ckpt = CheckpointStore(work / "warmup" / "checkpoints").find_latest()
     print(f"warm-up: {step} supervised format steps in {out['wall_s']:.1f} s -> {ckpt}", file=sys.stderr)
     return ckpt, work / "warmup" / "data" / "train.parquet", work / "warmup" / "data" / "test.parquet"
 
@@ -215,7 +215,6 @@ def bench_checkpoint(work: Path) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpcrl import protocol
     from hpcrl.rl import checkpoint
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1200, hidden_size=512, intermediate_size=1536,
@@ -230,7 +229,7 @@ def bench_checkpoint(work: Path) -> dict:
         t0 = time.monotonic()
         saver.save_now(1, model, opt, {"step": 1, "sampler": {"epoch": 0, "cursor": 0}}, background=False)
         took = time.monotonic() - t0  # sealed: the pointer names it
-        protocol.wait_for_pruning()  # the old one's deletion must not slow the next measurement
+        saver.store.wait_for_pruning()  # the old one's deletion must not slow the next measurement
         return took
 
     def load(cache: str) -> float:

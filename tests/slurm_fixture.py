@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from hpcrl.backends.base import JobInfo
 from hpcrl.backends.slurm import SlurmBackend
 
 SKIP_REASON = "Slurm test cluster not running: start it with scripts/slurm-cluster start"
@@ -64,17 +62,6 @@ class TrackingSlurmBackend(SlurmBackend):
         job_id = super().submit(script, run_dir, job_name, after)
         self.submitted.append(job_id)
         return job_id
-
-    def wait_for(self, job_id: str, predicate, timeout_s: float, poll_s: float = 0.5) -> JobInfo:
-        """Poll until predicate(info) holds; fail the test with the last state seen."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = self.query([job_id])[job_id]
-            if predicate(info):
-                return info
-            if time.monotonic() > deadline:
-                pytest.fail(f"job {job_id}: still {info.state.value} ({info.reason}) after {timeout_s:.0f} s")
-            time.sleep(poll_s)
 
 
 @pytest.fixture

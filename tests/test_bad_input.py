@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpcrl
+from helpers import hpcrl
 
 # (spec file text or None, user site files {name: text}, extra CLI args, expected text in the error)
 CASES = [

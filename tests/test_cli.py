@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, hpcrl
+from helpers import ROOT, hpcrl
 
 HEAVY = ("torch", "transformers", "vllm", "jax", "pandas", "pyarrow", "numpy")
 

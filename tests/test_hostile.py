@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HOSTILE, hpcrl, wait_for
+from helpers import HOSTILE, hpcrl, wait_for_run
 
 
 def test_hostile_values_rendered_and_executed_run_nothing(home, tmp_path, monkeypatch):
@@ -26,7 +26,7 @@ def test_hostile_values_rendered_and_executed_run_nothing(home, tmp_path, monkey
     text = hpcrl("render", str(spec), "--site", "evil", "--name", "h1").stdout
     assert HOSTILE not in text  # only its quoted form is in the script
     hpcrl("submit", str(spec), "--site", "evil", "--name", "h1", "--hours", "0.01")
-    state = wait_for("h1")
+    state = wait_for_run("h1")
     assert state["state"] == "COMPLETED", state
     run_dir = outputs / "h1"
     assert (run_dir / "hostile.out").read_text() == HOSTILE

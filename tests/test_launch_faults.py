@@ -11,6 +11,8 @@ from hpcrl.backends.local import LocalBackend
 from hpcrl.errors import BackendError
 from hpcrl.spec import resolve
 
+from helpers import publish_checkpoint
+
 
 def _failing_submit(self, *a, **k):
     raise BackendError("sbatch failed: Socket timed out on send/recv operation")
@@ -34,9 +36,7 @@ def test_successor_submit_failure_does_not_stop_the_running_segment(run, monkeyp
     assert state["state"] == RunState.RUNNING
     assert "could not queue the successor" in state["events"][-1]["what"]
     # The segment made progress, then its end hook cannot queue the next one either.
-    tmp = protocol.new_checkpoint_dir(run.dir / "checkpoints")
-    (tmp / "state.json").write_text("{}")
-    protocol.publish_checkpoint(run.dir / "checkpoints", tmp, 3)
+    publish_checkpoint(run.dir / "checkpoints", 3, {"state.json": b"{}"})
     launch.segment_end(str(run.dir), "1", protocol.EXIT_CONTINUE)
     state = run.state()
     assert state["state"] == RunState.STOPPED and "hpcrl resume faulty" in state["reason"]

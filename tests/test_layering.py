@@ -125,6 +125,27 @@ def test_every_module_is_in_a_layer():
     assert layers - {"rl"} <= units, f"layers naming no module: {sorted(layers - {'rl'} - units)}"
 
 
+def test_the_bottom_layer_is_stdlib_only():
+    # the leaves are what the trainer and the job's own scripts may import on any interpreter
+    import sys
+
+    bottom = set(_block("layers")[-1]) - {"recipes"}
+    optional = {"xxhash"}  # ckptstore: faster digests when installed, sha256 otherwise (guarded)
+    problems = []
+    for path in sorted(PKG.rglob("*.py")):
+        mod = module_name(path)
+        if unit(mod) not in bottom or "__pycache__" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in optional | {"hpcrl", "__future__"}:
+                    problems.append(f"{mod} imports {name}")
+    assert not problems, problems
+
+
 def test_the_checker_sees_a_violation(tmp_path):
     # the reader itself: a lazy import inside a function counts, relative imports resolve
     p = PKG / "backends" / "tpu.py"

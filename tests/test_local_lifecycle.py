@@ -4,9 +4,8 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
-from conftest import hpcrl, metrics_steps, run_state, wait_for
+from helpers import hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_for_step
 
 WALL = "0.003"  # 10.8 s per segment: USR1 at ~6.8 s (lead 4 s), deadline at ~9.3 s
 
@@ -15,10 +14,10 @@ def _submit(site, name, *extra):
     return hpcrl("submit", "--site", site, "--trainer", "smoke", "--hours", WALL, "--name", name, *extra)
 
 
-def _assert_no_step_lost(state, run_dir, total):
-    steps = [m["step"] for m in metrics_steps(run_dir)]
+def _assert_no_step_lost(state, rdir, total):
+    steps = [m["step"] for m in read_metrics(rdir)]
     assert steps == list(range(1, total + 1)), "every step ran exactly once across segments"
-    ran = [s for s in state["segments"] if s.get("started")]
+    ran = started(state)
     for prev, nxt in zip(ran, ran[1:]):
         assert nxt["start_step"] == prev["end_step"], f"segment {nxt['k']} resumed where {prev['k']} stopped"
 
@@ -26,10 +25,10 @@ def _assert_no_step_lost(state, run_dir, total):
 def test_smoke_run_goes_through_three_segments_and_loses_no_step(fast_local):
     _submit(fast_local, "three", "--set", "args.steps=100", "--set", "args.step_time_s=0.2",
             "--set", "args.save_every=1000")
-    state = wait_for("three")
-    run_dir = Path(json.loads(hpcrl("status", "three", "--json").stdout)[0]["run_dir"])
+    state = wait_for_run("three")
+    rdir = run_dir("three")
     assert state["state"] == "COMPLETED"
-    ran = [s for s in state["segments"] if s.get("started")]
+    ran = started(state)
     assert len(ran) >= 3
     for seg in ran[:-1]:
         assert seg["state"] == "CONTINUE" and seg["rc"] == 85
@@ -37,44 +36,39 @@ def test_smoke_run_goes_through_three_segments_and_loses_no_step(fast_local):
         assert seg["end_step"] > seg["start_step"] if seg["start_step"] else seg["end_step"] > 0
         assert seg["ended"] - seg["started"] < 10.8
     assert ran[-1]["state"] == "COMPLETE"
-    _assert_no_step_lost(state, run_dir, 100)
+    _assert_no_step_lost(state, rdir, 100)
     assert not [s for s in state["segments"] if s["state"] == "QUEUED"]
-    logs = sorted((run_dir / "logs").glob("job-*.log"))
+    logs = sorted((rdir / "logs").glob("job-*.log"))
     assert any("USR1" in p.read_text() for p in logs)
 
 
 def test_hard_kill_without_signal_successor_resumes_from_periodic_checkpoint(fast_local):
     _submit(fast_local, "hard", "--hours", "0.01", "--set", "args.steps=40", "--set", "args.step_time_s=0.2",
             "--set", "args.save_every=5")
-    run_dir = Path(json.loads(hpcrl("status", "hard", "--json").stdout)[0]["run_dir"])
-    deadline = time.time() + 30
-    while time.time() < deadline:  # wait until a periodic checkpoint exists and a few more steps ran
-        steps = metrics_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-        if steps and steps[-1]["step"] >= 13:
-            break
-        time.sleep(0.1)
-    rec = json.loads((run_dir / ".queue" / "1.json").read_text())
+    rdir = run_dir("hard")
+    wait_for_step(rdir, 13, timeout=30)  # a periodic checkpoint exists and a few more steps ran
+    rec = json.loads((rdir / ".queue" / "1.json").read_text())
     os.killpg(rec["pgid"], signal.SIGKILL)  # like a node failure: no trap, no end hook
-    state = wait_for("hard")
+    state = wait_for_run("hard")
     assert state["state"] == "COMPLETED"
-    first, second = [s for s in state["segments"] if s.get("started")][:2]
+    first, second = started(state)[:2]
     assert first["state"] == "LOST"
     assert second["start_step"] in (10, 15) and second["start_step"] % 5 == 0
-    steps = [m["step"] for m in metrics_steps(run_dir)]
+    steps = [m["step"] for m in read_metrics(rdir)]
     assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41))
 
 
 def test_crash_at_same_step_fails_after_two_segments_without_progress(fast_local):
     _submit(fast_local, "crash", "--set", "args.steps=50", "--set", "args.step_time_s=0.05",
             "--set", "args.crash_at_step=3")
-    state = wait_for("crash")
+    state = wait_for_run("crash")
     assert state["state"] == "FAILED"
-    ran = [s for s in state["segments"] if s.get("started")]
+    ran = started(state)
     assert len(ran) == 2 and all(s["state"] == "FAILED" and s["rc"] == 1 for s in ran)
     assert "no checkpoint progress" in state["reason"] and "simulated crash at step 3" in state["reason"]
     assert not [s for s in state["segments"] if s["state"] in ("QUEUED", "RUNNING")]
     time.sleep(1)
-    queue = Path(json.loads(hpcrl("status", "crash", "--json").stdout)[0]["run_dir"]) / ".queue"
+    queue = run_dir("crash") / ".queue"
     live = [json.loads(p.read_text())["state"] for p in queue.glob("*.json")]
     assert "PENDING" not in live and "RUNNING" not in live
 
@@ -84,14 +78,14 @@ def test_cancel_then_resume_completes_from_checkpoint(fast_local):
     time.sleep(3)
     out = hpcrl("cancel", "cr")
     assert "cancelled" in out.stdout
-    state = wait_for("cr")
+    state = wait_for_run("cr")
     assert state["state"] == "CANCELLED"
-    stopped_at = [s for s in state["segments"] if s.get("started")][-1]["end_step"]
+    stopped_at = started(state)[-1]["end_step"]
     assert stopped_at and stopped_at < 30  # the SIGTERM made the trainer save where it was
     assert hpcrl("cancel", "cr", check=False).returncode == 2
     hpcrl("resume", "cr")
-    state = wait_for("cr", states=("COMPLETED",))
-    last = [s for s in state["segments"] if s.get("started")][-1]
+    state = wait_for_run("cr", states=("COMPLETED",))
+    last = started(state)[-1]
     assert last["start_step"] == stopped_at and last["end_step"] == 30
 
 

@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from hpcrl.errors import SpecError
-from hpcrl.trainers.base import TrainerContext
 from hpcrl.trainers.maxtext import (MAXTEXT_VERSION, MODULE, MaxTextTrainer, check_user_overrides, config_keys,
                                     maxtext_checkpoint_step)
+
+from helpers import adapter_context
 
 DATA = Path(__file__).resolve().parent / "data" / "maxtext" / MAXTEXT_VERSION
 RECIPES = Path(__file__).resolve().parents[1] / "hpcrl" / "recipes"
@@ -23,9 +24,7 @@ RL_KEYS = config_keys((DATA / "base.yml").read_text(), (DATA / "rl.yml").read_te
 
 def ctx_for(args, chips=4, nodes=1, run_dir="/home/u/hpcrl/runs/r-1"):
     trainer = MaxTextTrainer()
-    return trainer, TrainerContext(run_id="r-1", run_dir=Path(run_dir), ckpt_dir=Path(run_dir) / "checkpoints",
-                                   args=trainer.validate_args(args), site={"chips_per_vm": chips},
-                                   resources={"nodes": nodes}, python="python3")
+    return trainer, adapter_context(trainer, args, run_dir, site={"chips_per_vm": chips}, resources={"nodes": nodes})
 
 
 def rendered_pairs(argv):

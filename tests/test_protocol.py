@@ -1,75 +1,39 @@
-"""The walltime protocol's checkpoint and metrics helpers (stdlib, shared by every trainer)."""
-
-import json
+"""The walltime protocol (hpcrl/protocol.py): names, the context, the stop flag, metrics."""
 
 from hpcrl import protocol
 
-
-def _save(ckpt_dir, step, payload=b"x" * 1000):
-    tmp = protocol.new_checkpoint_dir(ckpt_dir)
-    (tmp / "weights.bin").write_bytes(payload)
-    return protocol.publish_checkpoint(ckpt_dir, tmp, step, keep_last=3)
+from helpers import protocol_context
 
 
-def test_publish_writes_manifest_pointer_and_prunes(tmp_path):
-    for step in (10, 20, 30, 40):
-        _save(tmp_path, step)
-    assert [s for s, _ in protocol.list_checkpoints(tmp_path)] == [20, 30, 40]
-    assert (tmp_path / "LATEST").read_text().strip() == "step-00000040"
-    assert protocol.latest_checkpoint_step(tmp_path) == 40
-    manifest = json.loads((tmp_path / "step-00000040" / "MANIFEST.json").read_text())
-    assert manifest["files"]["weights.bin"]["size"] == 1000 and manifest["step"] == 40
+def test_the_contract_names():
+    assert (protocol.EXIT_COMPLETE, protocol.EXIT_CONTINUE, protocol.EXIT_NOTHING_TO_DO) == (0, 85, 3)
+    env = {"HPCRL_RUN_DIR": "/r", "HPCRL_CKPT_DIR": "/c", "HPCRL_SEGMENT": "2", "HPCRL_DEADLINE": "100.5",
+           "HPCRL_METRICS": "/m.jsonl"}
+    ctx = protocol.Context.from_env(env)
+    assert (str(ctx.run_dir), str(ctx.ckpt_dir), ctx.segment, ctx.deadline, str(ctx.metrics_path)) == \
+        ("/r", "/c", 2, 100.5, "/m.jsonl")
+    assert ctx.seconds_left(now=100.0) == 0.5
 
 
-def test_truncated_newest_checkpoint_falls_back_with_warning(tmp_path):
-    _save(tmp_path, 10)
-    newest = _save(tmp_path, 20)
-    with open(newest / "weights.bin", "r+b") as f:
-        f.truncate(10)
-    warnings = []
-    step, path = protocol.find_latest_checkpoint(tmp_path, warn=warnings.append)
-    assert step == 10 and path.name == "step-00000010"
-    assert len(warnings) == 1 and "weights.bin" in warnings[0]
+def test_context_defaults_by_hand(tmp_path):
+    ctx = protocol_context(tmp_path)  # what the segment script sets
+    assert ctx.ckpt_dir == tmp_path / "checkpoints" and ctx.metrics_path == tmp_path / protocol.METRICS_FILE
+    bare = protocol.Context.from_env({}, default_run_dir=tmp_path)  # run by hand
+    assert (bare.ckpt_dir, bare.segment, bare.deadline) == (ctx.ckpt_dir, 1, None)
+    assert bare.seconds_left() == float("inf")
 
 
-def test_corrupt_bytes_same_size_detected_by_checksum(tmp_path):
-    _save(tmp_path, 10)
-    newest = _save(tmp_path, 20)
-    (newest / "weights.bin").write_bytes(b"y" * 1000)
-    assert protocol.find_latest_checkpoint(tmp_path, warn=lambda m: None)[0] == 10
+def test_the_contract_is_stdlib_only_and_holds_no_store():
+    import ast
+    import sys
 
-
-def test_unsealed_temp_dir_is_ignored_and_pruned(tmp_path):
-    _save(tmp_path, 10)
-    torn = protocol.new_checkpoint_dir(tmp_path)
-    (torn / "weights.bin").write_bytes(b"half")
-    assert protocol.find_latest_checkpoint(tmp_path)[0] == 10
-    _save(tmp_path, 20)
-    assert not torn.exists()
-
-
-def test_background_prune_deletes_only_what_it_doomed(tmp_path, monkeypatch):
-    """Old checkpoints leave their step-N name at once (renamed aside), are deleted in a thread,
-    and a save that starts meanwhile keeps its temporary directory."""
-    import shutil
-    import threading
-
-    for step in (10, 20):
-        _save(tmp_path, step)
-    gate = threading.Event()
-    real_rmtree = shutil.rmtree
-    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: (gate.wait(10), real_rmtree(*a, **k)))
-    tmp = protocol.new_checkpoint_dir(tmp_path)
-    (tmp / "weights.bin").write_bytes(b"z" * 10)
-    protocol.publish_checkpoint(tmp_path, tmp, 30, keep_last=1, prune_in_background=True)
-    assert [s for s, _ in protocol.list_checkpoints(tmp_path)] == [30]  # before any byte is deleted
-    assert len(list(tmp_path.glob(".tmp-old-*"))) == 2
-    next_save = protocol.new_checkpoint_dir(tmp_path)  # the next save starts while deleting
-    (next_save / "weights.bin").write_bytes(b"w")
-    assert protocol.wait_for_pruning(timeout=0.05) is False  # still blocked
-    gate.set()
-    assert protocol.wait_for_pruning(timeout=10) is True
-    assert list(tmp_path.glob(".tmp-*")) == [next_save] and (next_save / "weights.bin").exists()
+    tree = ast.parse(open(protocol.__file__, encoding="utf-8").read())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
+    for gone in ("publish_checkpoint", "find_latest_checkpoint", "atomic_write_json", "POINTER_FILE", "fsync_dir"):
+        assert not hasattr(protocol, gone), gone
 
 
 def test_read_last_metrics_skips_torn_line(tmp_path):
@@ -85,7 +49,7 @@ def test_read_last_metrics_skips_torn_line(tmp_path):
 def test_stop_flag_deadline(tmp_path):
     import time
 
-    ctx = protocol.Context(tmp_path, tmp_path / "c", 1, time.time() + 10, tmp_path / "m")
+    ctx = protocol_context(tmp_path, deadline=time.time() + 10)
     stop = protocol.StopFlag(ctx, margin_s=2, install=False)
     assert not stop.should_stop(next_step_s=1)
     assert stop.should_stop(next_step_s=9)

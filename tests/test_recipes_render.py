@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, hpcrl
+from helpers import ROOT, hpcrl
 from test_render import FIXED, PY, bash_n, check_golden
 
 VERL_RECIPES = ["tinyzero-countdown-ppo", "tinyzero-countdown-grpo", "verl-gsm8k-grpo", "verl-gsm8k-gspo"]
@@ -73,8 +73,8 @@ def test_maxtext_recipe_renders_on_tpu(tmp_path, recipe):
     check_golden(f"recipe-{recipe}-tpu-v5p-8.sh", text)
 
 
-def test_trainer_adapters_quote_only_through_render_q():
-    """The one quoting path: adapters that build shell text import hpcrl.render.q, never shlex."""
+def test_trainer_adapters_quote_only_through_shell_q():
+    """The one quoting path: adapters that build shell text import hpcrl.shell.q, never shlex."""
     for path in sorted((ROOT / "hpcrl" / "trainers").glob("*.py")):
-        assert "shlex" not in path.read_text(encoding="utf-8"), f"{path.name}: use hpcrl.render.q"
-    assert "from ..render import q" in (ROOT / "hpcrl" / "trainers" / "verl.py").read_text(encoding="utf-8")
+        assert "shlex" not in path.read_text(encoding="utf-8"), f"{path.name}: use hpcrl.shell.q"
+    assert "from ..shell import q" in (ROOT / "hpcrl" / "trainers" / "verl.py").read_text(encoding="utf-8")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpcrl
+from helpers import hpcrl
 
 GOLDEN = Path(__file__).parent / "golden"
 # Fixed paths so that the goldens do not depend on the machine or the test's tmp dir.

@@ -1,10 +1,9 @@
 """Secrets reach the job through the environment and never land in a script, log or run dir."""
 
-import json
 import os
 from pathlib import Path
 
-from conftest import hpcrl, wait_for
+from helpers import hpcrl, run_dir, wait_for_run
 
 SECRETS = {"WANDB_API_KEY": "wandb-sekrit-7f3a9c", "HF_TOKEN": "hf_sekrit_51b2e0", "HUGGING_FACE_HUB_TOKEN": "hf_other_99"}
 
@@ -15,12 +14,12 @@ def test_secrets_reach_the_job_but_no_file(fast_local, home, tmp_path):
     (sites / "sec.yaml").write_text("extends: fastlocal\nsetup: ['echo \"wandb key length ${#WANDB_API_KEY}\"']\n")
     hpcrl("submit", "--site", "sec", "--trainer", "smoke", "--name", "sec", "--hours", "0.01",
           "--set", "args.steps=3", "--set", "args.step_time_s=0.05", env=SECRETS)
-    state = wait_for("sec")
+    state = wait_for_run("sec")
     assert state["state"] == "COMPLETED"
-    run_dir = Path(json.loads(hpcrl("status", "sec", "--json").stdout)[0]["run_dir"])
-    log = next((run_dir / "logs").glob("job-*.log")).read_text()
+    rdir = run_dir("sec")
+    log = next((rdir / "logs").glob("job-*.log")).read_text()
     assert f"wandb key length {len(SECRETS['WANDB_API_KEY'])}" in log
-    for root in (run_dir, home):
+    for root in (rdir, home):
         for path in Path(root).rglob("*"):
             if path.is_file():
                 data = path.read_bytes()

@@ -17,6 +17,8 @@ from hpcrl.backends.base import JobState
 from hpcrl.proc import run_command
 from hpcrl.backends.slurm import sbatch_directives
 
+from helpers import wait_for_job
+
 # The root conftest imports these too; importing here keeps this file runnable on its own.
 try:
     from .slurm_fixture import slurm_backend, slurm_cluster  # noqa: F401  (tests/ as a package)
@@ -47,13 +49,13 @@ def test_submit_query_running_then_completed(slurm_backend, tmp_path):
     assert job.isdigit()
     assert slurm_backend.query([job])[job].state in (JobState.PENDING, JobState.RUNNING)
 
-    running = slurm_backend.wait_for(job, lambda i: i.state is JobState.RUNNING, timeout_s=30)
+    running = wait_for_job(slurm_backend, job, lambda i: i.state is JobState.RUNNING, timeout=30)
     assert abs(running.start_time - time.time()) < 60
     # a running job's end is its limit: the segment's deadline is computed from it
     assert running.end_time == running.start_time + 60 and running.exit_code is None
 
     (tmp_path / "go").touch()
-    done = slurm_backend.wait_for(job, lambda i: i.state.finished, timeout_s=30)
+    done = wait_for_job(slurm_backend, job, lambda i: i.state.finished, timeout=30)
     assert (done.state, done.exit_code, done.reason) == (JobState.COMPLETED, 0, "")
     assert done.start_time <= done.end_time
     assert (tmp_path / f"started-{job}").is_file()  # the script really ran, with its own job id
@@ -63,14 +65,14 @@ def test_afterany_successor_runs_after_a_failed_predecessor(slurm_backend, tmp_p
     first = slurm_backend.sbatch(_script(tmp_path, "first", _WAIT_FOR_GO.format(code=3)))
     second = slurm_backend.sbatch(_script(tmp_path, "second", 'date +%s > "$RUN/second-ran"\n'),
                                   after=first)
-    slurm_backend.wait_for(first, lambda i: i.state is JobState.RUNNING, timeout_s=30)
+    wait_for_job(slurm_backend, first, lambda i: i.state is JobState.RUNNING, timeout=30)
     time.sleep(2)  # a scheduler that ignored the dependency would have started it by now
     waiting = slurm_backend.query([second])[second]
     assert (waiting.state, waiting.reason) == (JobState.PENDING, "Dependency")
     assert not (tmp_path / "second-ran").exists()
 
     (tmp_path / "go").touch()
-    after = slurm_backend.wait_for(second, lambda i: i.state.finished, timeout_s=40)
+    after = wait_for_job(slurm_backend, second, lambda i: i.state.finished, timeout=40)
     before = slurm_backend.query([first])[first]
     assert (before.state, before.exit_code) == (JobState.FAILED, 3)  # afterany: runs after a failure too
     assert after.state is JobState.COMPLETED
@@ -90,7 +92,7 @@ def test_cancel_running_and_pending(slurm_backend, tmp_path):
     body = 'sleep 300 & echo $! > "$RUN/sleep.pid"; wait\n'
     running = slurm_backend.sbatch(_script(tmp_path, "victim", body))
     queued = slurm_backend.sbatch(_script(tmp_path, "queued", "true\n"), after=running)
-    slurm_backend.wait_for(running, lambda i: i.state is JobState.RUNNING, timeout_s=30)
+    wait_for_job(slurm_backend, running, lambda i: i.state is JobState.RUNNING, timeout=30)
     pid_file = tmp_path / "sleep.pid"
     for _ in range(20):
         if pid_file.exists() and pid_file.read_text().strip():
@@ -100,7 +102,7 @@ def test_cancel_running_and_pending(slurm_backend, tmp_path):
 
     slurm_backend.cancel([running, queued])
     for job in (running, queued):
-        info = slurm_backend.wait_for(job, lambda i: i.state.finished, timeout_s=20)
+        info = wait_for_job(slurm_backend, job, lambda i: i.state.finished, timeout=20)
         assert info.state is JobState.CANCELLED, job
     deadline = time.monotonic() + 15  # KillWait=5
     while not _dead_or_zombie(pid) and time.monotonic() < deadline:
@@ -134,7 +136,7 @@ while kill -0 "$child" 2>/dev/null; do wait "$child"; done
 
 def test_walltime_kill_is_timeout_after_usr1_to_the_batch_shell(slurm_backend, tmp_path):
     job = slurm_backend.sbatch(_script(tmp_path, "walltime", _TRAP_USR1, signal="B:USR1@30"))
-    info = slurm_backend.wait_for(job, lambda i: i.state.finished, timeout_s=150, poll_s=2)
+    info = wait_for_job(slurm_backend, job, lambda i: i.state.finished, timeout=150, poll=2)
     assert (info.state, info.reason) == (JobState.TIMEOUT, "TimeLimit")
     assert 60 <= info.end_time - info.start_time <= 100  # 1 min + up to one 30 s limit tick
     marker = tmp_path / "usr1"

@@ -4,16 +4,14 @@ Slurm checks limits on a 30 s tick and may send the USR1 warning far earlier tha
 tests assert what the protocol guarantees (no step lost, checkpoint before every stop), not when.
 """
 
-import json
 import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import hpcrl, metrics_steps, run_state, wait_for
+from helpers import hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_for_step, wait_until
 
 pytestmark = pytest.mark.slurm
 ONE_MIN = "0.0167"
@@ -30,10 +28,6 @@ def slurm_home(home, slurm_cluster):
 def _squeue(name: str) -> list[str]:
     out = subprocess.run(["squeue", "-h", "--name", name, "-o", "%i %T"], capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines() if ln.strip()]
-
-
-def _run_dir(name: str) -> Path:
-    return Path(json.loads(hpcrl("status", name, "--json").stdout)[0]["run_dir"])
 
 
 def _submit(names, name, *args):
@@ -54,23 +48,14 @@ def _kill_hard(job_id: str) -> None:
             pass
 
 
-def _wait_step(run_dir: Path, step: int, timeout=90):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and metrics_steps(run_dir) and metrics_steps(run_dir)[-1]["step"] >= step:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
-
-
 def test_chain_runs_segments_resumes_and_completes_on_slurm(slurm_home):
     _submit(slurm_home, "sl-chain", "--set", "args.steps=100", "--set", "args.step_time_s=0.5",
             "--set", "args.save_every=1000")
-    state = wait_for("sl-chain", timeout=420)
+    state = wait_for_run("sl-chain", timeout=420)
     assert state["state"] == "COMPLETED", state
-    ran = [s for s in state["segments"] if s.get("started")]
+    ran = started(state)
     assert len(ran) >= 2
-    steps = [m["step"] for m in metrics_steps(_run_dir("sl-chain"))]
+    steps = [m["step"] for m in read_metrics(run_dir("sl-chain"))]
     assert steps == list(range(1, 101))
     for prev, nxt in zip(ran, ran[1:]):
         assert prev["state"] == "CONTINUE" and nxt["start_step"] == prev["end_step"]
@@ -82,26 +67,26 @@ def test_hard_kill_no_signal_successor_resumes_from_periodic_checkpoint(slurm_ho
     # 3-minute jobs: Slurm's early USR1 (up to a 30 s tick before lead) cannot end it first.
     _submit(slurm_home, "sl-hard", "--hours", "0.05", "--set", "args.steps=30", "--set", "args.step_time_s=0.3",
             "--set", "args.save_every=5")
-    run_dir = _run_dir("sl-hard")
-    _wait_step(run_dir, 7)
+    rdir = run_dir("sl-hard")
+    wait_for_step(rdir, 7, timeout=90)
     victim = next(s for s in run_state("sl-hard")["segments"] if s["state"] == "RUNNING")
     _kill_hard(victim["job_id"])
-    state = wait_for("sl-hard", timeout=420)
+    state = wait_for_run("sl-hard", timeout=420)
     assert state["state"] == "COMPLETED", state
-    segs = [s for s in state["segments"] if s.get("started")]
+    segs = started(state)
     k = next(i for i, s in enumerate(segs) if s["job_id"] == victim["job_id"])
     assert segs[k]["state"] == "LOST" and segs[k]["rc"] is None
     resumed_at = segs[k + 1]["start_step"]
     assert resumed_at is not None and resumed_at % 5 == 0 and resumed_at >= 5, "from the last periodic checkpoint"
-    assert sorted(set(m["step"] for m in metrics_steps(run_dir))) == list(range(1, 31))
+    assert sorted(set(m["step"] for m in read_metrics(rdir))) == list(range(1, 31))
 
 
 def test_crash_at_same_step_fails_after_two_segments_and_queues_nothing(slurm_home):
     _submit(slurm_home, "sl-crash", "--set", "args.steps=50", "--set", "args.step_time_s=0.1",
             "--set", "args.crash_at_step=3")
-    state = wait_for("sl-crash", timeout=300)
+    state = wait_for_run("sl-crash", timeout=300)
     assert state["state"] == "FAILED" and "no checkpoint progress" in state["reason"]
-    assert len([s for s in state["segments"] if s.get("started")]) == 2
+    assert len(started(state)) == 2
     time.sleep(2)
     assert not [ln for ln in _squeue("sl-crash") if "PENDING" in ln or "RUNNING" in ln]
 
@@ -110,12 +95,12 @@ def test_second_submit_refused_and_cancel_removes_running_and_queued_jobs(slurm_
     _submit(slurm_home, "sl-cancel", "--set", "args.steps=1000", "--set", "args.step_time_s=0.5")
     r = hpcrl("submit", "--site", "testcluster", "--trainer", "smoke", "--name", "sl-cancel", check=False)
     assert r.returncode == 2 and "already exists" in r.stderr
-    deadline = time.time() + 90
-    while time.time() < deadline and len([ln for ln in _squeue("sl-cancel") if "PENDING" in ln or "RUNNING" in ln]) < 2:
-        time.sleep(0.5)  # running segment + its queued successor
-    assert len([ln for ln in _squeue("sl-cancel") if "PENDING" in ln or "RUNNING" in ln]) == 2
+    live = lambda: [ln for ln in _squeue("sl-cancel") if "PENDING" in ln or "RUNNING" in ln]
+    wait_until(lambda: len(live()) >= 2, 90, "the running segment and its queued successor", poll=0.5,
+               describe=live)
+    assert len(live()) == 2
     hpcrl("cancel", "sl-cancel")
-    state = wait_for("sl-cancel", timeout=120)
+    state = wait_for_run("sl-cancel", timeout=120)
     assert state["state"] == "CANCELLED"
     time.sleep(1)
     assert not [ln for ln in _squeue("sl-cancel") if "PENDING" in ln or "RUNNING" in ln]

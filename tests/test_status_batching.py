@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpcrl
+from helpers import hpcrl
 from hpcrl import cli, launch
 from hpcrl.backends import slurm
 from hpcrl.lifecycle import SegState

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from conftest import hpcrl, wait_for
+from helpers import hpcrl, wait_for_run
 
 
 def test_logs_follow_moves_across_segments_and_ends_with_the_run(fast_local):
@@ -15,7 +15,7 @@ def test_logs_follow_moves_across_segments_and_ends_with_the_run(fast_local):
     follow = subprocess.run([sys.executable, "-m", "hpcrl.cli", "logs", "lg", "-f"], capture_output=True, text=True,
                             timeout=120)
     assert follow.returncode == 0
-    state = wait_for("lg", timeout=5)
+    state = wait_for_run("lg", timeout=5)
     assert state["state"] == "COMPLETED" and time.time() - t0 < 120
     out = follow.stdout
     ran = [s for s in state["segments"] if s.get("started")]
@@ -35,7 +35,7 @@ def test_logs_follow_moves_across_segments_and_ends_with_the_run(fast_local):
 def test_status_table_detail_json_and_cache_invalidation(fast_local):
     hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.01", "--name", "st",
           "--total-hours", "0.5", "--set", "args.steps=5", "--set", "args.step_time_s=0.05")
-    wait_for("st")
+    wait_for_run("st")
     table = hpcrl("status").stdout.splitlines()
     assert table[0].split()[:4] == ["RUN", "SITE", "STATE", "SEG"]
     row = table[1].split()
@@ -48,7 +48,7 @@ def test_status_table_detail_json_and_cache_invalidation(fast_local):
     assert {k: js[k] for k in ("id", "state", "segments", "step", "checkpoint_step")} == \
         {"id": "st", "state": "COMPLETED", "segments": 1, "step": 5, "checkpoint_step": 5}
     # A finished run's row is cached; a state change (as resume makes) must show at once.
-    from hpcrl.protocol import atomic_write_json
+    from hpcrl.atomicio import atomic_write_json
     from hpcrl.runs import Run
 
     run = Run.by_id("st")

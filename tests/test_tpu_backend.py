@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HOSTILE, hpcrl
+from helpers import HOSTILE, hpcrl
 from hpcrl.backends.base import JobState
 from hpcrl.backends.tpu import (PROVISIONING, STATES, TpuBackend, check_site, create_argv, delete_argv, describe_argv,
                                 explain, list_argv, parse_describe, parse_list, qr_name, render_startup)

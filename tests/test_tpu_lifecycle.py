@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpcrl, metrics_steps, run_state
+from helpers import hpcrl, read_metrics, run_dir, run_state, started
 
 FAKE = Path(__file__).resolve().parent / "fake_gcloud"
 QUOTA = "Quota limit 'TPUV5PPreemptiblePodPerProjectPerZone' exceeded. Limit: 0 in zone us-east5-a"
@@ -82,16 +82,8 @@ def watch_until_done(name: str, timeout: float = 90) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def started(state: dict) -> list[dict]:
-    return [s for s in state["segments"] if s.get("started")]
-
-
-def run_dir(name: str) -> Path:
-    return Path(json.loads(hpcrl("status", name, "--json").stdout)[0]["run_dir"])
-
-
 def assert_resumed_exactly(state: dict, total: int, rdir: Path) -> None:
-    assert [m["step"] for m in metrics_steps(rdir)] == list(range(1, total + 1)), "every step ran exactly once"
+    assert [m["step"] for m in read_metrics(rdir)] == list(range(1, total + 1)), "every step ran exactly once"
     ran = started(state)
     for prev, nxt in zip(ran, ran[1:]):
         assert nxt["start_step"] == prev["end_step"] > 0, f"segment {nxt['k']} resumed where {prev['k']} stopped"
@@ -264,7 +256,7 @@ def test_cancel_while_running_then_resume_continues_from_the_bucket(cloud):
     first, second = started(state)
     assert state["state"] == "COMPLETED" and second["job_id"] == "hpcrl-cr-2"
     assert second["start_step"] >= 10, "the new VM resumed from the checkpoint in the bucket"
-    assert sorted({m["step"] for m in metrics_steps(run_dir("cr"))}) == list(range(1, 41))
+    assert sorted({m["step"] for m in read_metrics(run_dir("cr"))}) == list(range(1, 41))
 
 
 def test_resume_with_new_hours_changes_the_next_segments_length(cloud):

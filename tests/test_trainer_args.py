@@ -5,7 +5,6 @@ argument is covered without touching this file. The built-in trainer's table is 
 trainer itself (hpcrl.rl.config.resolve) checks trainer.json with: same fields, same messages.
 """
 
-import ast
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hpcrl
+from helpers import hpcrl
 from hpcrl.errors import SpecError
 from hpcrl.schemas import ArgError, Field, show
 from hpcrl.trainers import get_trainer, names
@@ -170,47 +169,3 @@ def test_cli_refuses_bad_builtin_args_in_one_line(home, verb, setting, expected)
     assert r.stderr.startswith(expected) and r.stderr.count("\n") == 1, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
     assert not (home / "runs").exists(), "no half-created run"
-
-
-# ------------------------------------------------------------------ layering
-
-
-def _hpcrl_imports(path: Path) -> set[str]:
-    """Top-level modules imported by a file: absolute names, relative ones as hpcrl.<name>."""
-    pkg = path.relative_to(REPO).with_suffix("").parts[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg[:len(pkg) - node.level + 1]
-                mod = ".".join([*base, node.module] if node.module else base)
-                out |= {mod} if node.module else {f"{mod}.{a.name}" for a in node.names}
-            else:
-                out.add(node.module)
-    return out
-
-
-def _first_two(mod: str) -> str:
-    return ".".join(mod.split(".")[:2])
-
-
-def test_schemas_are_a_stdlib_only_leaf():
-    for path in sorted((REPO / "hpcrl" / "schemas").glob("*.py")):
-        for mod in _hpcrl_imports(path):
-            if mod.startswith("hpcrl"):
-                assert _first_two(mod) in ("hpcrl.errors", "hpcrl.schemas"), (path.name, mod)
-            else:
-                assert mod.split(".")[0] in sys.stdlib_module_names or mod == "__future__", (path.name, mod)
-
-
-def test_the_trainer_imports_only_protocol_and_leaves_from_the_launcher():
-    for path in sorted((REPO / "hpcrl" / "rl").glob("*.py")):
-        for mod in _hpcrl_imports(path):
-            if mod.startswith("hpcrl.") and not mod.startswith("hpcrl.rl"):
-                assert _first_two(mod) in ("hpcrl.protocol", "hpcrl.errors", "hpcrl.schemas"), (path.name, mod)
-
-
-def test_smoke_adapter_does_not_import_spec():
-    assert "hpcrl.spec" not in _hpcrl_imports(REPO / "hpcrl" / "trainers" / "smoke.py")

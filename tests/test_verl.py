@@ -12,6 +12,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ import yaml
 
 from hpcrl.errors import SpecError
 from hpcrl.trainers import verl_launch
-from hpcrl.trainers.base import TrainerContext
 from hpcrl.trainers.verl import VERL_VERSION, VerlTrainer, compose, ray_bootstrap, verl_checkpoint_step, verl_config_dir
+
+from helpers import adapter_context, protocol_env
 
 RECIPES = Path(__file__).resolve().parents[1] / "hpcrl" / "recipes"
 VERL_RECIPES = ["tinyzero-countdown-ppo", "tinyzero-countdown-grpo", "verl-gsm8k-grpo", "verl-gsm8k-gspo"]
@@ -34,10 +36,8 @@ needs_verl = pytest.mark.skipif(
 
 def ctx_for(args, nodes=1, gpus=4, run_dir="/pscratch/sd/u/user/hpcrl/runs/r-1"):
     trainer = VerlTrainer()
-    run_dir = Path(run_dir)
-    return trainer, TrainerContext(run_id="r-1", run_dir=run_dir, ckpt_dir=run_dir / "checkpoints",
-                                   args=trainer.validate_args(args), site={"gpus_per_node": gpus, "cpus_per_task": 128},
-                                   resources={"nodes": nodes}, python="/global/common/software/m1234/venv/bin/python")
+    return trainer, adapter_context(trainer, args, run_dir, site={"gpus_per_node": gpus, "cpus_per_task": 128},
+                                    resources={"nodes": nodes}, python="/global/common/software/m1234/venv/bin/python")
 
 
 def recipe(name):
@@ -256,6 +256,16 @@ def test_prune_keeps_newest_complete_and_drops_torn(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_20", "global_step_30"]
 
 
+def test_the_job_side_launcher_speaks_the_protocol_names():
+    """verl/launch.py cannot import hpcrl in the job: its copies of the contract's names agree."""
+    from hpcrl import protocol
+
+    assert verl_launch.EXIT_CONTINUE == protocol.EXIT_CONTINUE
+    assert (verl_launch.ENV_RUN_DIR, verl_launch.ENV_SEGMENT, verl_launch.ENV_DEADLINE, verl_launch.ENV_METRICS) == \
+        (protocol.ENV_RUN_DIR, protocol.ENV_SEGMENT, protocol.ENV_DEADLINE, protocol.ENV_METRICS)
+    assert "import hpcrl" not in Path(verl_launch.__file__).read_text() and "from hpcrl" not in Path(verl_launch.__file__).read_text()
+
+
 def fake_verl(tmp_path, body):
     """A stand-in `python` whose `-m verl.trainer.main_ppo` runs `body` (bash)."""
     exe = tmp_path / "fakepy"
@@ -267,8 +277,8 @@ def fake_verl(tmp_path, body):
 def run_launcher(tmp_path, exe, deadline_in_s):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
-    env = {**os.environ, "HPCRL_RUN_DIR": str(tmp_path), "HPCRL_SEGMENT": "1", "HPCRL_METRICS": str(tmp_path / "m.jsonl"),
-           "HPCRL_DEADLINE": str(__import__("time").time() + deadline_in_s), "HPCRL_TEST_POLL_S": "0.2"}
+    env = {**os.environ, **protocol_env(tmp_path, deadline=time.time() + deadline_in_s),
+           "HPCRL_METRICS": str(tmp_path / "m.jsonl")}
     code = ("import sys; sys.path.insert(0, %r); import verl_launch as v; v.POLL_S = 0.2; v.STOP_GRACE_S = 5; "
             "sys.exit(v.main(sys.argv[1:]))") % str(Path(verl_launch.__file__).parent)
     argv = [sys.executable, "-c", code, "--python", str(exe), "--ckpt-dir", str(ckpt), "--save-freq", "1",

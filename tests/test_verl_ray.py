@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import hpcrl, wait_for
+from helpers import hpcrl, wait_for_run
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("ray", reason="real Ray (scripts/setup installs it) is needed to run the bootstrap")
@@ -111,7 +111,7 @@ def test_ray_bootstrap_starts_a_real_cluster_the_driver_joins_and_stops_it(ray_s
     """))
     ray_site.append("verl-ray")
     hpcrl("submit", spec, "--site", "rayci", "--hours", "0.05", "--name", "verl-ray")
-    state = wait_for("verl-ray", timeout=150)
+    state = wait_for_run("verl-ray", timeout=150)
     _wait_job_gone("verl-ray", timeout=90)  # Ray is stopped after the segment's end is recorded
     log = hpcrl("logs", "verl-ray").stdout
     assert state["state"] == "COMPLETED", f"{state}\n{log}"

@@ -253,7 +253,7 @@ def segment_seconds(hours: float) -> int:
 
 
 def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
-    """The VM's startup script for segment job `qr_id` (every user value quoted by render.q)."""
+    """The VM's startup script for segment job `qr_id` (every user value quoted by hpcrl.shell.q)."""
     import jinja2
 
     from .. import __version__

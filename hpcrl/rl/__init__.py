@@ -1,6 +1,7 @@
 """hpcrl's built-in RL trainer (GRPO, Dr.GRPO, GSPO, GSPO-token). The only place torch,
-transformers, pandas and vllm are imported; from the launcher it uses only hpcrl.protocol and
-the stdlib-only leaves hpcrl.errors and hpcrl.schemas (its argument table and algorithm registry,
-hpcrl/schemas/builtin.py), and nothing outside this package imports it (except `hpcrl data`/`hpcrl model`,
-which load hpcrl.rl.commands lazily). Entry point: python -m hpcrl.rl.train --config FILE.
+transformers, pandas and vllm are imported. From the launcher it uses only what
+docs/architecture.md's `rl-may-import` line allows: hpcrl.protocol and the stdlib-only leaves
+(hpcrl.ckptstore with hpcrl.atomicio, hpcrl.errors, and hpcrl.schemas: its argument table and
+algorithm registry, hpcrl/schemas/builtin.py). The launcher reaches it only as a process.
+Entry point: python -m hpcrl.rl.train --config FILE.
 """

@@ -1,4 +1,4 @@
-"""Checkpoints of the built-in trainer, sealed with hpcrl.protocol (manifest, rename, pointer).
+"""Checkpoints of the built-in trainer, sealed by hpcrl.ckptstore (manifest, rename, pointer).
 
 Files: model.safetensors (+ config and tokenizer, so a checkpoint loads with from_pretrained),
 ref.safetensors when the reference differs from the base model, optimizer.safetensors (the
@@ -14,7 +14,6 @@ once, straight into the model's parameters, verifying as it goes.
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import threading
@@ -23,13 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .. import protocol
+from .. import ckptstore
 from . import tensorfile
 from .tensorfile import CorruptFile
-
-# Test hook: seconds to pause inside a save, between the files and the seal, so a test can
-# kill -9 the process while a checkpoint is half written.
-_TEST_PAUSE_ENV = "HPCRL_RL_TEST_SAVE_PAUSE_S"
 
 
 def _clone(obj, prev=None):
@@ -102,9 +97,6 @@ def write_snapshot(snap: dict, directory: Path, tokenizer=None) -> dict:
     snap["config"].save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    pause = float(os.environ.get(_TEST_PAUSE_ENV) or 0)
-    if pause:
-        time.sleep(pause)
     (directory / "trainer_state.json").write_text(json.dumps(snap["state"], indent=1, sort_keys=True))
     return known
 
@@ -154,6 +146,7 @@ class Checkpointer:
     def __init__(self, ckpt_dir, keep_last: int = 3, async_save: bool = True, tokenizer=None):
         self.ckpt_dir = Path(ckpt_dir)
         self.keep_last, self.async_save, self.tokenizer = keep_last, async_save, tokenizer
+        self.store = ckptstore.CheckpointStore(self.ckpt_dir, keep_last, warn=self._warn)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict | None = None  # the last background snapshot, reused by the next
@@ -185,12 +178,11 @@ class Checkpointer:
     def _write(self, step: int, snap: dict) -> None:
         t0 = time.monotonic()
         try:
-            tmp = protocol.new_checkpoint_dir(self.ckpt_dir)
+            tmp = self.store.new_tmp_dir()
             known = write_snapshot(snap, tmp, self.tokenizer)
             # old checkpoints are deleted in the background: the walltime stop's save is done
             # (and the trainer may exit) as soon as the pointer names the new one
-            protocol.publish_checkpoint(self.ckpt_dir, tmp, step, keep_last=self.keep_last, known=known,
-                                        prune_in_background=True)
+            self.store.publish(tmp, step, known=known, prune_in_background=True)
         except BaseException as e:  # surfaced on the main thread by wait()
             self._error = e
         self.last_save_s = time.monotonic() - t0
@@ -205,7 +197,7 @@ class Checkpointer:
     def close(self, timeout: float | None = None) -> None:
         """Wait for the pending save and for old checkpoints being deleted (before exiting)."""
         self.wait()
-        protocol.wait_for_pruning(timeout)
+        self.store.wait_for_pruning(timeout)
 
     def _raise_pending(self):
         if self._error is not None:
@@ -217,7 +209,7 @@ class Checkpointer:
 
     def latest(self):
         """(step, path) of the newest intact checkpoint, or None; corrupt ones are skipped."""
-        return protocol.find_latest_checkpoint(self.ckpt_dir, warn=self._warn)
+        return self.store.find_latest()
 
     def restore(self, model, optimizer, ref_model=None):
         """Load the newest intact checkpoint into model/optimizer/ref: (step, path, trainer_state).
@@ -227,7 +219,7 @@ class Checkpointer:
         The small files are verified first; the tensor files as they are read.
         """
         touched = False
-        for step, path in protocol.checkpoints_newest_first(self.ckpt_dir, warn=self._warn, skip=TENSOR_FILES):
+        for step, path in self.store.newest_first(skip=TENSOR_FILES):
             try:
                 return step, path, load_into(path, model, optimizer, ref_model)
             except CorruptFile as e:
@@ -243,9 +235,9 @@ def load_into(path, model, optimizer, ref_model=None) -> dict:
     has passed its check. Raises CorruptFile when a file fails the manifest's digest.
     """
     path = Path(path)
-    manifest = protocol.read_manifest(path)
+    manifest = ckptstore.read_manifest(path)
     if manifest is None:
-        raise CorruptFile(f"missing or unreadable {protocol.MANIFEST_FILE}")
+        raise CorruptFile(f"missing or unreadable {ckptstore.MANIFEST_FILE}")
     files = manifest["files"]
 
     def tensors(name: str, into=None):

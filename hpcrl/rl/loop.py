@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import random
 import time
 
@@ -16,8 +15,6 @@ from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler
 
 say = metrics.say
-# Test hook: sleep this long inside every step so signal tests are not a race with a fast loop.
-_TEST_STEP_DELAY_ENV = "HPCRL_RL_TEST_STEP_DELAY_S"
 
 
 class RLTrainer:
@@ -148,9 +145,6 @@ class RLTrainer:
             record = self._sft_step()
         else:
             record = self._rl_step()
-        delay = float(os.environ.get(_TEST_STEP_DELAY_ENV) or 0)
-        if delay:
-            time.sleep(delay)
         self.step += 1
         dt = time.monotonic() - t0
         self.step_s = max(dt, 0.7 * self.step_s)  # decays, but one slow step is remembered

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import protocol
+from ..ckptstore import CheckpointStore
 from ..errors import SpecError
 from ..schemas import Schema
 
@@ -87,12 +87,13 @@ class Trainer:
     def bootstrap(self, ctx: TrainerContext) -> str:
         """Trusted bash run before the trainer starts (e.g. a Ray cluster); '' for none.
 
-        Must quote every value it interpolates with hpcrl.render.q.
+        Must quote every value it interpolates with hpcrl.shell.q.
         """
         return ""
 
     def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
         """The step of the newest complete checkpoint, or None. remote=False (`status`): cheap,
         never the network; remote=True (a segment's hooks, a watcher): may list remote storage
-        and cache what it found in the run directory."""
-        return protocol.latest_checkpoint_step(ckpt_dir)
+        and cache what it found in the run directory. The default reads the pointer of hpcrl's
+        own checkpoint store (hpcrl/ckptstore.py)."""
+        return CheckpointStore(ckpt_dir).latest_step()

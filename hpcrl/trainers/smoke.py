@@ -17,6 +17,7 @@ import sys
 import time
 
 from .. import protocol
+from ..ckptstore import CheckpointStore
 from ..schemas import Float, Int, Schema
 from .base import Trainer, TrainerContext
 
@@ -46,15 +47,15 @@ def _digest(prev: str, step: int) -> str:
     return hashlib.sha256(f"{prev}:{step}".encode()).hexdigest()[:16]
 
 
-def _save(ctx: protocol.Context, step: int, digest: str, keep_last: int) -> None:
-    tmp = protocol.new_checkpoint_dir(ctx.ckpt_dir)
+def _save(store: CheckpointStore, step: int, digest: str) -> None:
+    tmp = store.new_tmp_dir()
     (tmp / "state.json").write_text(json.dumps({"step": step, "digest": digest}), encoding="utf-8")
-    protocol.publish_checkpoint(ctx.ckpt_dir, tmp, step, keep_last=keep_last)
+    store.publish(tmp, step)
     print(f"smoke: checkpoint step {step}", flush=True)
 
 
-def _restore(ctx: protocol.Context) -> tuple[int, str]:
-    found = protocol.find_latest_checkpoint(ctx.ckpt_dir)
+def _restore(store: CheckpointStore) -> tuple[int, str]:
+    found = store.find_latest()
     if found is None:
         return 0, "start"
     state = json.loads((found[1] / "state.json").read_text(encoding="utf-8"))
@@ -63,13 +64,14 @@ def _restore(ctx: protocol.Context) -> tuple[int, str]:
 
 def train(cfg: dict, ctx: protocol.Context) -> int:
     stop = protocol.StopFlag(ctx, margin_s=1.0)
-    step, digest = _restore(ctx)
+    store = CheckpointStore(ctx.ckpt_dir, keep_last=cfg["keep_last"])
+    step, digest = _restore(store)
     saved = step
     print(f"smoke: segment {ctx.segment} starts at step {step} of {cfg['steps']}", flush=True)
     while step < cfg["steps"]:
         if stop.should_stop(next_step_s=cfg["step_time_s"], save_s=0.5):
             if saved != step:
-                _save(ctx, step, digest, cfg["keep_last"])
+                _save(store, step, digest)
             print(f"smoke: stopping for continuation at step {step} ({stop.reason or 'deadline'})", flush=True)
             return protocol.EXIT_CONTINUE
         time.sleep(cfg["step_time_s"])
@@ -81,10 +83,10 @@ def train(cfg: dict, ctx: protocol.Context) -> int:
             print(f"smoke: simulated crash at step {step}", file=sys.stderr, flush=True)
             return 1
         if step % cfg["save_every"] == 0:
-            _save(ctx, step, digest, cfg["keep_last"])
+            _save(store, step, digest)
             saved = step
     if saved != step:
-        _save(ctx, step, digest, cfg["keep_last"])
+        _save(store, step, digest)
     print(f"smoke: done at step {step}, digest {digest}", flush=True)
     return protocol.EXIT_COMPLETE
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..schemas import Choice, Float, Int, Schema, Str, StrList, fail
+from ..shell import q
 from .base import Trainer, TrainerContext, check_override_keys
 
 VERL_VERSION = "0.9.1"
@@ -374,8 +375,6 @@ def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str
     the batch shell exits (EXIT trap), so no head outlives its segment and holds the port or the
     GPUs when the next segment lands on the same node.
     """
-    from ..shell import q  # the one quoting path
-
     # No drain on TERM (Ray >= 2.5x waits up to 30 s for a GCS that gets the same TERM): verl
     # runs no Ray Serve, the one thing draining is for.
     ray = (f"env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 {q(python)} "

@@ -33,7 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_CONTINUE = 85  # = hpcrl.protocol.EXIT_CONTINUE (this file may not import hpcrl)
+# The walltime protocol's names (hpcrl/protocol.py), repeated: this file runs in the job's own
+# interpreter, which may not have hpcrl; tests/test_verl.py keeps them equal.
+EXIT_CONTINUE = 85
+ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SEGMENT", "HPCRL_DEADLINE", "HPCRL_METRICS"
 TRACKER = "latest_checkpointed_iteration.txt"
 ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 ESI_SAVE_S = 60  # verl's should_save_ckpt_esi(save_ckpt_duration=60) default
@@ -69,14 +72,14 @@ def parse_args(argv):
 
 def segment_of(env) -> int:
     try:
-        return max(1, int(env.get("HPCRL_SEGMENT") or 1))
+        return max(1, int(env.get(ENV_SEGMENT) or 1))
     except ValueError:
         return 1
 
 
 def deadline_of(env) -> float | None:
     try:
-        return float(env["HPCRL_DEADLINE"])
+        return float(env[ENV_DEADLINE])
     except (KeyError, ValueError):
         return None
 
@@ -260,7 +263,7 @@ class Supervisor:
     def poll_once(self) -> None:
         records, self.offset = read_verl_metrics(self.metrics_file, self.offset)
         self.times += step_times(records)
-        sink = self.env.get("HPCRL_METRICS")
+        sink = self.env.get(ENV_METRICS)
         if sink and records:
             with open(sink, "a", encoding="utf-8") as f:
                 for rec in records:
@@ -291,7 +294,7 @@ class Supervisor:
 def main(argv=None) -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
-    run_dir = Path(env.get("HPCRL_RUN_DIR") or Path(opts.ckpt_dir).parent)
+    run_dir = Path(env.get(ENV_RUN_DIR) or Path(opts.ckpt_dir).parent)
     times = past_step_times(run_dir, segment_of(env))
     if not opts.dry_run:
         prune_checkpoints(Path(opts.ckpt_dir), opts.keep)

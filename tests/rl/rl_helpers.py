@@ -1,15 +1,16 @@
-"""Helpers for running the real built-in trainer as a subprocess with the protocol's env vars."""
+"""Helpers for running the real built-in trainer as a subprocess with the protocol's env vars
+(waiting, metrics and checkpoint helpers are the shared ones in tests/helpers.py)."""
 
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
+from helpers import protocol_env
 
 REPO = Path(__file__).resolve().parents[2]
+HOOKED = Path(__file__).resolve().parent / "hooked_train.py"
 
 # Small enough for seconds per run on 2 CPU cores, and still every code path: warm-up steps,
 # a reference model with a KL penalty, several epochs and mini-batches (old log-probs from the
@@ -33,47 +34,25 @@ def write_config(run_dir: Path, **overrides) -> Path:
 
 def trainer_env(run_dir: Path, segment: int = 1, deadline: float | None = None, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRL_")}
-    env.update(HPCRL_RUN_DIR=str(run_dir), HPCRL_CKPT_DIR=str(run_dir / "checkpoints"),
-               HPCRL_SEGMENT=str(segment), HPCRL_METRICS=str(run_dir / "metrics.jsonl"),
-               PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    if deadline is not None:
-        env["HPCRL_DEADLINE"] = f"{deadline:.3f}"
+    env.update(protocol_env(run_dir, segment, deadline), PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
-def start_trainer(run_dir: Path, segment: int = 1, deadline=None, **extra) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.rl.train", "--config", str(run_dir / "trainer.json")],
-        env=trainer_env(run_dir, segment, deadline, **extra), cwd=str(run_dir),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_trainer(run_dir: Path, segment: int = 1, deadline=None, step_delay_s: float = 0.0,
+                  save_pause_s: float = 0.0, **extra) -> subprocess.Popen:
+    """`python -m hpcrl.rl.train` on run_dir's trainer.json; with a step delay or a save pause,
+    the same trainer through hooked_train.py (test-only delays patched in)."""
+    config = ["--config", str(run_dir / "trainer.json")]
+    if step_delay_s or save_pause_s:
+        argv = [sys.executable, str(HOOKED), f"--step-delay-s={step_delay_s}", f"--save-pause-s={save_pause_s}", *config]
+    else:
+        argv = [sys.executable, "-m", "hpcrl.rl.train", *config]
+    return subprocess.Popen(argv, env=trainer_env(run_dir, segment, deadline, **extra), cwd=str(run_dir),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run_trainer(run_dir: Path, segment: int = 1, timeout: float = 240, **extra):
     proc = start_trainer(run_dir, segment, **extra)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_for(predicate, timeout: float, what: str, proc=None):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"trainer exited ({proc.returncode}) before {what}:\n{out}\n{err[-3000:]}")
-        time.sleep(0.02)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def last_step(run_dir: Path) -> int:
-    steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") in ("sft", "train")]
-    return max(steps, default=0)

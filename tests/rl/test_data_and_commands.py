@@ -12,8 +12,9 @@ from hpcrl.errors import HpcrlError, SpecError
 from hpcrl.rl import config, data
 from hpcrl.rl.commands import cmd_data, cmd_model
 from hpcrl.rl.rewards import countdown_score
-from hpcrl.trainers.base import TrainerContext
 from hpcrl.trainers.builtin import BuiltinTrainer
+
+from helpers import adapter_context
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -103,8 +104,7 @@ def test_adapter_validates_files_and_command(tmp_path):
     with pytest.raises(SpecError, match="did you mean 'gspo'"):
         t.validate_args({"algorithm": "gspoo"})
     args = t.validate_args({"total_steps": 7})
-    ctx = TrainerContext(run_id="r1", run_dir=tmp_path, ckpt_dir=tmp_path / "checkpoints", args=args,
-                         site={}, resources={}, python="/venv/bin/python")
+    ctx = adapter_context(t, args, tmp_path, python="/venv/bin/python", run_id="r1")
     files = t.files(ctx)
     assert config.resolve(json.loads(files["trainer.json"]))["total_steps"] == 7
     assert t.command(ctx) == ["/venv/bin/python", "-m", "hpcrl.rl.train", "--config", str(tmp_path / "trainer.json")]

@@ -6,10 +6,14 @@ import threading
 import pytest
 import torch
 
-from hpcrl import protocol
+from hpcrl import ckptstore
+from hpcrl.ckptstore import CheckpointStore, checkpoint_name
 from hpcrl.rl import checkpoint, policy, warmup
 from hpcrl.rl.rollout import HFGenerateRollout, HFRollout, _top_p_filter, response_mask_from
 from hpcrl.rl.tiny import build_tiny_model
+
+from helpers import flip_bit
+from hooked_train import delayed
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +122,7 @@ def test_background_save_is_sealed_and_loads_back(tiny, tmp_path):
     saver.save(4, snap)
     saver.wait()
     step, path = saver.latest()
-    assert step == 4 and protocol.verify_checkpoint(path) is None
+    assert step == 4 and ckptstore.verify_checkpoint(path) is None
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng_then = torch.get_rng_state()
     with torch.no_grad():
@@ -154,20 +158,20 @@ def test_save_now_reuses_snapshot_buffers_and_saves_what_the_model_held(tiny, tm
     saver.wait()
     assert ptrs[0] == ptrs[1]
     for step in (1, 2, 3):
-        on_disk = load_file(tmp_path / protocol.checkpoint_name(step) / "model.safetensors")
+        on_disk = load_file(tmp_path / checkpoint_name(step) / "model.safetensors")
         assert all(torch.equal(on_disk[k], held[step][k]) for k in held[step]), step
 
 
 def test_save_waits_for_the_pending_one_and_keeps_last_k(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     opt, snap = _snapshot(model, 1)
-    monkeypatch.setenv("HPCRL_RL_TEST_SAVE_PAUSE_S", "0.3")
+    monkeypatch.setattr(checkpoint, "write_snapshot", delayed(checkpoint.write_snapshot, 0.3))
     saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=True)
     for step in (1, 2, 3):
         saver.save(step, snap)
         assert threading.active_count() >= 2  # writing in the background
     saver.close()  # the save, and the deletion of the old checkpoints in the background
-    assert [s for s, _ in protocol.list_checkpoints(tmp_path)] == [2, 3]
+    assert [s for s, _ in CheckpointStore(tmp_path).list()] == [2, 3]
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -181,21 +185,15 @@ def _two_checkpoints(model, tmp_path):
     return saver, opt, snap1["model"]
 
 
-def _flip_a_bit(path, at=0.5):
-    data = bytearray(path.read_bytes())
-    data[int(len(data) * at)] ^= 0x01  # same size, one flipped bit: only the checksum can tell
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors", "rng.pt", "trainer_state.json"])
 def test_corrupt_newest_falls_back_with_warning(tiny, tmp_path, capsys, victim):
     """One flipped bit anywhere in the newest checkpoint: the resume path (restore) detects it,
     warns, and loads the previous checkpoint completely - weights included."""
     model, tok = tiny
     saver, opt, weights1 = _two_checkpoints(model, tmp_path)
-    _flip_a_bit(tmp_path / protocol.checkpoint_name(2) / victim, at=0.9)
+    flip_bit(tmp_path / checkpoint_name(2) / victim, at=0.9)
     step, path, state = saver.restore(model, opt)
-    assert step == 1 and state["step"] == 1 and path.name == protocol.checkpoint_name(1)
+    assert step == 1 and state["step"] == 1 and path.name == checkpoint_name(1)
     assert all(torch.equal(weights1[k], v) for k, v in model.state_dict().items())
     err = capsys.readouterr().err
     assert "step-00000002" in err and victim in err and "falling back" in err
@@ -205,13 +203,13 @@ def test_truncated_tensor_file_and_no_intact_checkpoint(tiny, tmp_path, capsys):
     model, tok = tiny
     saver, opt, _ = _two_checkpoints(model, tmp_path)
     for step in (1, 2):
-        weights = tmp_path / protocol.checkpoint_name(step) / "model.safetensors"
+        weights = tmp_path / checkpoint_name(step) / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
     assert saver.restore(model, opt) == (None, None, False)  # sizes alone told: nothing was read
     _, _, _ = _two_checkpoints(model, tmp_path / "again")
     saver = checkpoint.Checkpointer(tmp_path / "again", async_save=False)
     for step in (1, 2):
-        _flip_a_bit(tmp_path / "again" / protocol.checkpoint_name(step) / "model.safetensors", at=0.7)
+        flip_bit(tmp_path / "again" / checkpoint_name(step) / "model.safetensors", at=0.7)
     assert saver.restore(model, opt) == (None, None, True)  # weights were touched: caller reloads
     assert capsys.readouterr().err.count("falling back") >= 2
 
@@ -230,9 +228,9 @@ def test_tensor_files_are_plain_safetensors_and_the_optimizer_round_trips(tiny, 
     assert all(torch.equal(on_disk[k], snap["model"][k]) for k in on_disk)
     with safe_open(path / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
-    manifest = protocol.read_manifest(path)
+    manifest = ckptstore.read_manifest(path)
     assert manifest["files"]["model.safetensors"] == {
-        protocol.digest_algorithm(): protocol.file_digest(path / "model.safetensors"),
+        ckptstore.digest_algorithm(): ckptstore.file_digest(path / "model.safetensors"),
         "size": (path / "model.safetensors").stat().st_size}  # the in-stream digest is the file's
     fresh = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.3)
     checkpoint.load_into(path, model, fresh)

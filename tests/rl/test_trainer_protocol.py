@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from hpcrl import protocol
+from hpcrl.ckptstore import CheckpointStore, checkpoint_name
 
-from rl_helpers import last_step, read_metrics, run_trainer, start_trainer, wait_for, write_config
+from helpers import flip_bit, last_step, read_metrics, wait_for_step, wait_until
+from rl_helpers import run_trainer, start_trainer, write_config
 
 # the fields of a step that must be identical however the run was cut into segments
 DETERMINISTIC = ("step", "phase", "loss", "reward_mean", "reward_std", "kl", "solve_rate", "response_len_mean",
@@ -30,7 +32,7 @@ def steps_by_number(run_dir):
 
 
 def final_params(run_dir):
-    found = protocol.find_latest_checkpoint(run_dir / "checkpoints")
+    found = CheckpointStore(run_dir / "checkpoints").find_latest()
     assert found is not None and found[0] == TOTAL
     return load_file(found[1] / "model.safetensors")
 
@@ -63,21 +65,21 @@ def test_straight_run_records_metrics_and_evals(straight):
             assert isinstance(r[key], (int, float)), key
         assert r["kl"] >= 0.0
     assert any(r["kl"] > 0 for r in train)  # the reference (beta > 0) drifts from the policy
-    assert protocol.latest_checkpoint_step(straight / "checkpoints") == TOTAL
+    assert CheckpointStore(straight / "checkpoints").latest_step() == TOTAL
     assert (straight / "model" / "config.json").is_file() and (straight / "data" / "train.parquet").is_file()
 
 
 def test_sigusr1_resume_is_exact(straight, tmp_path):
     run_dir = tmp_path / "cut"
     write_config(run_dir)
-    proc = start_trainer(run_dir, HPCRL_RL_TEST_STEP_DELAY_S=0.4)
-    wait_for(lambda: last_step(run_dir) >= 3, 120, "step 3", proc)
+    proc = start_trainer(run_dir, step_delay_s=0.4)
+    wait_for_step(run_dir, 3, 120, proc)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
     stopped_at = last_step(run_dir)
     assert 3 <= stopped_at < TOTAL
-    assert protocol.latest_checkpoint_step(run_dir / "checkpoints") == stopped_at
+    assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped_at
     assert "SIGUSR1" in out
 
     rc, out, err = run_trainer(run_dir, segment=2)
@@ -93,42 +95,42 @@ def test_deadline_stops_and_saves_before_it(tmp_path):
     run_dir = tmp_path / "deadline"
     write_config(run_dir, total_steps=10_000, save_every=0)
     deadline = time.time() + 25  # imports + model build take ~5-10 s of it
-    proc = start_trainer(run_dir, deadline=deadline, HPCRL_RL_TEST_STEP_DELAY_S=0.3)
+    proc = start_trainer(run_dir, deadline=deadline, step_delay_s=0.3)
     out, err = proc.communicate(timeout=60)
     ended = time.time()
     assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
     assert ended < deadline, "the trainer overran its deadline"
     assert "deadline" in out
     step = last_step(run_dir)
-    assert step > 2 and protocol.latest_checkpoint_step(run_dir / "checkpoints") == step
+    assert step > 2 and CheckpointStore(run_dir / "checkpoints").latest_step() == step
 
 
 def test_sigterm_saves_when_there_is_time(tmp_path):
     run_dir = tmp_path / "term"
     write_config(run_dir, total_steps=10_000, save_every=0)
-    proc = start_trainer(run_dir, HPCRL_RL_TEST_STEP_DELAY_S=0.3)
-    wait_for(lambda: last_step(run_dir) >= 2, 120, "step 2", proc)
+    proc = start_trainer(run_dir, step_delay_s=0.3)
+    wait_for_step(run_dir, 2, 120, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
     assert "SIGTERM" in out
-    assert protocol.latest_checkpoint_step(run_dir / "checkpoints") == last_step(run_dir)
+    assert CheckpointStore(run_dir / "checkpoints").latest_step() == last_step(run_dir)
 
 
 def test_kill9_while_writing_a_checkpoint_resumes_from_the_previous(straight, tmp_path):
     run_dir = tmp_path / "kill9"
     write_config(run_dir)
     ckpts = run_dir / "checkpoints"
-    proc = start_trainer(run_dir, HPCRL_RL_TEST_SAVE_PAUSE_S=2)
+    proc = start_trainer(run_dir, save_pause_s=2)
 
     def second_save_half_written():
         return (ckpts / "step-00000002").is_dir() and any(
             (t / "model.safetensors").exists() for t in ckpts.glob(".tmp-*"))
 
-    wait_for(second_save_half_written, 120, "a half-written checkpoint after step 2", proc)
+    wait_until(second_save_half_written, 120, "a half-written checkpoint after step 2", proc=proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
-    assert protocol.latest_checkpoint_step(ckpts) == 2
+    assert CheckpointStore(ckpts).latest_step() == 2
     assert list(ckpts.glob(".tmp-*")), "the torn checkpoint should still be there to ignore"
 
     rc, out, err = run_trainer(run_dir, segment=2)
@@ -142,7 +144,7 @@ def test_kill9_while_writing_a_checkpoint_resumes_from_the_previous(straight, tm
 def test_truncated_newest_checkpoint_is_skipped_with_a_warning(straight, tmp_path):
     run_dir = tmp_path / "trunc"
     shutil.copytree(straight, run_dir)
-    newest = run_dir / "checkpoints" / protocol.checkpoint_name(TOTAL)
+    newest = run_dir / "checkpoints" / checkpoint_name(TOTAL)
     weights = newest / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     rc, out, err = run_trainer(run_dir, segment=2)
@@ -152,19 +154,13 @@ def test_truncated_newest_checkpoint_is_skipped_with_a_warning(straight, tmp_pat
     assert_same_params(final_params(run_dir), final_params(straight))
 
 
-def _flip_bit(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) * 3 // 4] ^= 0x01  # inside the tensor data: same size, only the digest tells
-    path.write_bytes(bytes(data))
-
-
 def test_bit_flip_in_newest_weights_is_caught_while_loading(straight, tmp_path):
     """The size check passes; the digest computed while reading the tensors into the model fails,
     so the trainer warns, loads the previous checkpoint over the half-read weights and finishes
     with the parameters of the straight run."""
     run_dir = tmp_path / "flip"
     shutil.copytree(straight, run_dir)
-    _flip_bit(run_dir / "checkpoints" / protocol.checkpoint_name(TOTAL) / "model.safetensors")
+    flip_bit(run_dir / "checkpoints" / checkpoint_name(TOTAL) / "model.safetensors")
     rc, out, err = run_trainer(run_dir, segment=2)
     assert rc == protocol.EXIT_COMPLETE, err[-3000:]
     assert "step-00000008: file model.safetensors: fails its" in err
@@ -175,8 +171,8 @@ def test_bit_flip_in_newest_weights_is_caught_while_loading(straight, tmp_path):
 def test_every_checkpoint_damaged_restarts_from_the_base_model(straight, tmp_path):
     run_dir = tmp_path / "all-bad"
     shutil.copytree(straight, run_dir)
-    for _, path in protocol.list_checkpoints(run_dir / "checkpoints"):
-        _flip_bit(path / "model.safetensors")
+    for _, path in CheckpointStore(run_dir / "checkpoints").list():
+        flip_bit(path / "model.safetensors")
     rc, out, err = run_trainer(run_dir, segment=2)
     assert rc == protocol.EXIT_COMPLETE, err[-3000:]
     assert "no intact checkpoint; starting from the base model" in out

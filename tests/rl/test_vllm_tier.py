@@ -41,9 +41,11 @@ def test_vllm_rollout_matches_hf_greedy_and_follows_weight_sync(tmp_path, monkey
 
 @pytest.mark.slow
 def test_trainer_with_vllm_rollout_completes(tmp_path):
-    from rl_helpers import last_step, read_metrics, run_trainer, write_config
+    from helpers import last_step, read_metrics
+    from rl_helpers import run_trainer, write_config
 
     from hpcrl import protocol
+    from hpcrl.ckptstore import CheckpointStore
 
     run_dir = tmp_path / "vllm"
     # two updates per batch: the old log-probs come from vLLM itself (temperature 1)
@@ -58,7 +60,7 @@ def test_trainer_with_vllm_rollout_completes(tmp_path):
     # the engine's weights followed every update: its greedy eval equals HF's on the final weights
     from hpcrl.rl import data, rewards
 
-    _, ckpt = protocol.find_latest_checkpoint(run_dir / "checkpoints")
+    _, ckpt = CheckpointStore(run_dir / "checkpoints").find_latest()
     model, tok = policy.load_policy(ckpt, torch.device("cpu"))
     val = data.load_examples(run_dir / "data" / "test.parquet")[:8]
     ids = policy.encode_prompts(tok, val, max_prompt_length=32)

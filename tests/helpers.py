@@ -1,0 +1,192 @@
+"""The tests' shared helpers: one waiting primitive and the small things many tests repeat.
+
+Importable as `helpers` from every test module (tests/ and tests/rl/): pytest puts tests/ on
+sys.path for tests/conftest.py. Fixtures stay in conftest.py.
+
+Waiting never changes what it waits on: `wait_for_run` reads the run's state.json and asks the
+run's backend about its jobs (a read), and never calls `hpcrl status` (which reconciles a run
+with its scheduler and may mark it STOPPED). A test that wants reconciliation calls status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A hostile value for every quoting path: quotes, command substitution, backticks, newline.
+HOSTILE = "a'; touch /tmp/PWNED-hpcrl #\"$(touch /tmp/PWNED-hpcrl2)`touch /tmp/PWNED-hpcrl3`\nx;y"
+PWNED = [Path("/tmp/PWNED-hpcrl"), Path("/tmp/PWNED-hpcrl2"), Path("/tmp/PWNED-hpcrl3")]
+
+RUN_END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "STOPPED")
+
+
+# ---------------------------------------------------------------- waiting
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.05, proc=None, describe=None):
+    """Poll `predicate()` until it returns something truthy, and return that.
+
+    Fails the test after `timeout` seconds, saying `what` it waited for and, when given,
+    `describe()` (the last thing seen). With `proc` (a Popen with piped output), fails at once
+    with its output when the process exits first.
+    """
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"process exited ({proc.returncode}) before {what}:\n{out}\n{(err or '')[-3000:]}")
+        if time.monotonic() >= end:
+            seen = f": {describe()}" if describe is not None else ""
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}{seen}")
+        time.sleep(poll)
+
+
+def wait_for_run(run_id: str, states=RUN_END_STATES, timeout: float = 180, poll: float = 0.2) -> dict:
+    """The run's state once it is in one of `states` with no segment and no job of it alive."""
+    from hpcrl.backends import get_backend
+    from hpcrl.runs import Run
+
+    run = Run.by_id(run_id)
+    site = run.spec()["site"]
+    backend = get_backend(site["scheduler"], site)
+
+    def settled():
+        state = run.state()
+        if state["state"] not in states or any(s["state"] in ("RUNNING", "QUEUED") for s in state["segments"]):
+            return None
+        jobs = [s["job_id"] for s in state["segments"] if s.get("job_id")]
+        infos = backend.poll([(run, j) for j in jobs]) if jobs else {}
+        return None if any(not info.state.finished for info in infos.values()) else state
+
+    return wait_until(settled, timeout, f"run {run_id} to reach {'/'.join(states)} with no job left", poll,
+                      describe=lambda: _state_summary(run.state()))
+
+
+def _state_summary(state: dict) -> str:
+    segs = ", ".join(f"{s.get('job_id')}:{s['state']}" for s in state["segments"])
+    return f"{state['state']} ({state.get('reason') or '-'}); segments {segs or 'none'}"
+
+
+def wait_for_job(backend, job_id: str, predicate, timeout: float, poll: float = 0.5):
+    """The backend's JobInfo of `job_id` once predicate(info) holds."""
+    seen = {}
+
+    def check():
+        seen["info"] = info = backend.query([job_id])[job_id]
+        return info if predicate(info) else None
+
+    return wait_until(check, timeout, f"job {job_id}", poll,
+                      describe=lambda: f"still {seen['info'].state.value} ({seen['info'].reason})" if seen else "")
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 120, proc=None) -> int:
+    """The last training step in the run's metrics once it is at least `step`."""
+    return wait_until(lambda: (last := last_step(run_dir)) >= step and last, timeout, f"step {step}",
+                      proc=proc, describe=lambda: f"last step {last_step(run_dir)}")
+
+
+# ---------------------------------------------------------------- runs and the CLI
+
+
+def hpcrl(*args, check=True, env=None, timeout=120, cwd=None):
+    """Run the real CLI as a subprocess; returns CompletedProcess with text output."""
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hpcrl {' '.join(map(str, args))} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def run_dir(run_id: str) -> Path:
+    """The run's directory, from the registry (no `status` call)."""
+    from hpcrl.runs import Run
+
+    return Run.by_id(run_id).dir
+
+
+def run_state(run_id: str) -> dict:
+    from hpcrl.runs import Run
+
+    return Run.by_id(run_id).state()
+
+
+def started(state: dict) -> list[dict]:
+    """The segments of a run that ran (in order)."""
+    return [s for s in state["segments"] if s.get("started")]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last_step(run_dir: Path) -> int:
+    """The newest training step recorded (evaluation records, which repeat a step, left out)."""
+    steps = [r["step"] for r in read_metrics(run_dir) if r.get("phase") in (None, "sft", "train")]
+    return max(steps, default=0)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def publish_checkpoint(ckpt_dir: Path, step: int, files: dict | None = None, keep_last: int = 3) -> Path:
+    """Seal a checkpoint of `files` (name -> bytes) at `step` in hpcrl's store; its path."""
+    from hpcrl.ckptstore import CheckpointStore
+
+    store = CheckpointStore(ckpt_dir, keep_last)
+    tmp = store.new_tmp_dir()
+    for name, data in (files or {"weights.bin": b"x" * 1000}).items():
+        (tmp / name).write_bytes(data)
+    return store.publish(tmp, step)
+
+
+def flip_bit(path: Path, at: float = 0.75) -> None:
+    """Flip one bit of the byte at fraction `at` of the file: same size, only a digest can tell."""
+    data = bytearray(Path(path).read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    Path(path).write_bytes(bytes(data))
+
+
+# ---------------------------------------------------------------- what a trainer is given
+
+
+def protocol_env(run_dir: Path, segment: int = 1, deadline: float | None = None) -> dict:
+    """The walltime protocol's variables as the segment script sets them for a run directory."""
+    from hpcrl import protocol
+
+    run_dir = Path(run_dir)
+    env = {protocol.ENV_RUN_DIR: str(run_dir), protocol.ENV_CKPT_DIR: str(run_dir / "checkpoints"),
+           protocol.ENV_SEGMENT: str(segment), protocol.ENV_METRICS: str(run_dir / protocol.METRICS_FILE)}
+    if deadline is not None:
+        env[protocol.ENV_DEADLINE] = f"{deadline:.3f}"
+    return env
+
+
+def protocol_context(run_dir: Path, segment: int = 1, deadline: float | None = None):
+    """The protocol.Context a trainer started by the segment script would read."""
+    from hpcrl import protocol
+
+    return protocol.Context.from_env(protocol_env(run_dir, segment, deadline))
+
+
+def adapter_context(trainer, args: dict, run_dir, site: dict | None = None, resources: dict | None = None,
+                    python: str = "python3", run_id: str = "r-1"):
+    """A launcher-side TrainerContext for `trainer` with its validated `args`."""
+    from hpcrl.trainers.base import TrainerContext
+
+    run_dir = Path(run_dir)
+    return TrainerContext(run_id=run_id, run_dir=run_dir, ckpt_dir=run_dir / "checkpoints",
+                          args=trainer.validate_args(args), site=site or {}, resources=resources or {}, python=python)
