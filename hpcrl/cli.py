@@ -223,11 +223,18 @@ def cmd_segment(ns) -> int:
 
 def _rl_command(name: str):
     def run(ns) -> int:
+        # The trainer's own commands run as a process (the launcher never imports hpcrl.rl):
+        # python -m hpcrl.rl.commands prints its own one-line errors, a missing extra included.
+        import subprocess
+        from pathlib import Path
+
+        env = dict(os.environ)
+        pkg_parent = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
-            from .rl import commands
-        except ImportError as e:
-            raise HpcrlError(f"`hpcrl {name}` needs the ML extra: pip install 'hpcrl[rl]' ({e.name} is missing)") from None
-        return getattr(commands, f"cmd_{name}")(ns.rest)
+            return subprocess.run([sys.executable, "-m", "hpcrl.rl.commands", name, *ns.rest], env=env).returncode
+        except KeyboardInterrupt:
+            return 130
     return run
 
 

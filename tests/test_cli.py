@@ -1,6 +1,7 @@
 """CLI surface: help for every command, fast start (no heavy imports), init, sites, wheel install."""
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -109,3 +110,23 @@ def test_wheel_ships_templates_and_site_configs_and_renders_outside_checkout(tmp
     probe = subprocess.run([sys.executable, "-c", "import hpcrl.paths as p; print(p.templates_dir())"],
                            capture_output=True, text=True, cwd=tmp_path, env=env).stdout
     assert str(target) in probe, "templates came from the installed wheel, not the checkout"
+
+
+def test_data_and_model_without_the_ml_extra_say_which_extra_in_one_line(home, tmp_path):
+    # a sitecustomize that makes the rl extra's packages unimportable, as on a login node without it
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'pandas', 'pyarrow', 'transformers'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Block())\n")
+    env = {"PYTHONPATH": f"{shim}{os.pathsep}{ROOT}"}
+    for argv, missing in ((["data", "countdown", "--out", tmp_path / "d"], "pandas"),
+                          (["model", "tiny", "--out", tmp_path / "m"], "torch")):
+        r = hpcrl(*argv, check=False, env=env)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == f"hpcrl: error: `hpcrl {argv[0]}` needs the ML extra: pip install 'hpcrl[rl]' ({missing} is missing)\n"
+        assert not (tmp_path / argv[-1].name).exists()

@@ -6,6 +6,7 @@ Each takes its own argv and raises HpcrlError with a one-line message for a user
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..errors import HpcrlError
@@ -101,3 +102,35 @@ def cmd_model(argv: list[str]) -> int:
                            heads=ns.heads, max_int=ns.max_int, seed=ns.seed)
     print(f"wrote a tiny Llama (hidden {ns.hidden_size}, {ns.layers} layers) and its tokenizer to {out}")
     return 0
+
+
+# The rl extra's packages: an ImportError naming one of them is a missing extra, not a bug.
+ML_EXTRA = ("torch", "transformers", "tokenizers", "safetensors", "xxhash", "numpy", "pandas", "pyarrow")
+COMMANDS = {"data": cmd_data, "model": cmd_model}
+
+
+def main(argv=None) -> int:
+    """`python -m hpcrl.rl.commands data|model ARGS` (what `hpcrl data` / `hpcrl model` run: the
+    launcher reaches the trainer's code only as a process). Exit 2 with one line for a user
+    mistake or a missing extra."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"hpcrl: error: usage: python -m hpcrl.rl.commands {'|'.join(COMMANDS)} ARGS", file=sys.stderr)
+        return 2
+    name = argv[0]
+    try:
+        return COMMANDS[name](argv[1:])
+    except HpcrlError as e:
+        print(f"hpcrl: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing not in ML_EXTRA:
+            raise
+        print(f"hpcrl: error: `hpcrl {name}` needs the ML extra: pip install 'hpcrl[rl]' ({missing} is missing)",
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
