@@ -12,6 +12,14 @@ import sys
 from .errors import HpcrlError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as the one line every hpcrl error is (no usage dump)."""
+
+    def error(self, message):
+        print(f"hpcrl: error: {self.prog}: {message}; see `{self.prog} --help`", file=sys.stderr)
+        sys.exit(2)
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", help="spec file (default: ./hpcrl.yaml if present)")
     p.add_argument("--site", help="site profile (hpcrl sites lists them; default: local)")
@@ -77,13 +85,13 @@ def cmd_status(ns) -> int:
 
         return launch.backend_for(run).status_note(run, state)
 
-    if ns.run:
+    if ns.run is not None:
         rows = report.status_rows([runs.Run.by_id(ns.run).id], refresh_many, note)
     else:
         rows = report.status_rows(runs.registered_ids(), refresh_many, note)
     if ns.json:
         print(json.dumps([r[2] for r in rows], indent=1))
-    elif ns.run:
+    elif ns.run is not None:
         run = runs.Run.by_id(ns.run)
         print(report.detail(run, run.state(), rows[0][2]))
     elif not rows:
@@ -239,9 +247,9 @@ def _rl_command(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpcrl", description="RL post-training on batch systems with walltimes: "
+    p = _Parser(prog="hpcrl", description="RL post-training on batch systems with walltimes: "
                                 "render, submit, checkpoint before the walltime, resubmit, resume, watch.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, fn, help_ in (("submit", cmd_submit, "create a run and queue its first segment"),
                             ("render", cmd_render, "print the exact script submit would send")):
         sp = sub.add_parser(name, help=help_, description=help_)

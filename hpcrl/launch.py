@@ -26,7 +26,7 @@ from pathlib import Path
 from . import lifecycle, protocol, runs
 from .atomicio import atomic_write_json, atomic_write_text
 from .backends import for_site
-from .errors import BackendError, RunError, SpecError
+from .errors import BackendError, RunError
 from .lifecycle import Cancel, Queue, Stop
 from .paths import hpcrl_home
 from .render import ScriptParts, expand_path, render_script, venv_path
@@ -268,30 +268,20 @@ def cancel(run_id: str) -> Run:
     return run
 
 
-def _positive(value, flag: str) -> float:
-    if value is None or value <= 0:
-        raise SpecError(f"{flag} {value}: must be a positive number")
-    return value
-
-
 def resume(run_id: str, hours: float | None = None, total_hours: float | None = None,
            max_segments: int | None = None) -> Run:
     """Continue a stopped, cancelled or failed run from its last good checkpoint. New hours
     change the budget record in state.json (its one owner) and the job script, together."""
+    from .spec import check_resume_budget, validate_qos
+
     run = Run.by_id(run_id)
     backend = backend_for(run)
     reconcile(run, interval_s=60.0)
+    check_resume_budget(hours, total_hours, max_segments, run.state()["budget"])
     if hours is not None:
-        _positive(hours, "--hours")
-        resolved = run.spec()
-        resolved["spec"]["budget"]["hours"] = hours
-        from .spec import _validate_qos
-
-        _validate_qos(resolved["site"], hours)
-    if total_hours is not None:
-        _positive(total_hours, "--total-hours")
+        validate_qos(run.spec()["site"], hours)
     if max_segments is not None:
-        max_segments = int(_positive(max_segments, "--max-segments"))
+        max_segments = int(max_segments)
     with run.locked() as state:
         actions = lifecycle.resume(state, clock(), hours, total_hours, max_segments)
         if hours is not None:

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 from .errors import SiteError, SpecError, did_you_mean, one_of
+from .names import NAME_RE  # the one rule for run and site names
 from .paths import site_configs_dir, user_sites_dir
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Names that look like credentials: they must come from the user's environment, never a file.
 SECRET_RE = re.compile(r"(TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
@@ -64,13 +64,32 @@ SITE_DEFAULTS = {
 # site_keys(); the backend owns their meaning and checks them in complete_site.
 
 # Scheduler flags hpcrl sets itself: a user must use the dedicated option instead.
+_HOURS = "from the segment hours; use --hours instead"
+_RUN_DIR = "so that its log lands in the run directory; nothing to set"
 RESERVED_FLAGS = {
-    "time": "--hours", "t": "--hours", "time-min": "--hours-min", "job-name": "--name", "J": "--name",
-    "output": "(the run directory)", "o": "(the run directory)", "error": "(the run directory)",
-    "signal": "site.signal_lead_s", "account": "--account", "A": "--account", "qos": "--qos", "q": "--qos",
-    "dependency": "(hpcrl chains segments)", "d": "(hpcrl chains segments)", "nodes": "--nodes",
-    "N": "--nodes", "chdir": "(the run directory)", "D": "(the run directory)", "open-mode": "(always append)", "parsable": "(always on)", "wrap": "(not allowed)",
+    "time": _HOURS, "t": _HOURS, "time-min": "from --hours-min; use --hours-min instead",
+    "job-name": "from the run name; use --name instead", "J": "from the run name; use --name instead",
+    "output": _RUN_DIR, "o": _RUN_DIR, "error": _RUN_DIR, "e": _RUN_DIR,
+    "signal": "from the site's signal_lead_s; use --set site.signal_lead_s=SECONDS instead",
+    "account": "from --account; use --account instead", "A": "from --account; use --account instead",
+    "qos": "from --qos; use --qos instead", "q": "from --qos; use --qos instead",
+    "dependency": "to chain the run's segments; nothing to set", "d": "to chain the run's segments; nothing to set",
+    "nodes": "from --nodes; use --nodes instead", "N": "from --nodes; use --nodes instead",
+    "chdir": "to the run directory; nothing to set", "D": "to the run directory; nothing to set",
+    "open-mode": "to append (every segment adds to its log); nothing to set",
+    "parsable": "on every submit; nothing to set", "wrap": "never: the segment script is the job; leave it out",
 }
+# What a value may be before it makes no sense anywhere (the largest batch allocations are weeks
+# and thousands of nodes; a larger number is a typo, and would overflow a scheduler's field).
+MAX_SEGMENT_HOURS = 24 * 30
+MAX_TOTAL_HOURS = 24 * 365 * 5
+MAX_SEGMENTS = 10_000
+MAX_NODES = 10_000
+MAX_GPUS_PER_NODE = 64
+MAX_CPUS_PER_TASK = 4096
+MAX_MEM_GB = 64 * 1024
+ACCOUNT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+SET_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 FLAG_NAME_RE = re.compile(r"^[a-z][a-z0-9-]*$")
 
 
@@ -122,10 +141,17 @@ def parse_set(items: list[str]) -> dict:
         parts = key.strip().split(".")
         if any(not p for p in parts):
             raise SpecError(f"--set {item!r}: the key {key!r} has an empty part; use dotted keys like args.lr")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
+        bad = next((p for p in parts if not SET_KEY_RE.match(p)), None)
+        if bad is not None:
+            raise SpecError(f"--set {item!r}: '{bad}' is not a key (letters, digits, _ and -); use dotted keys like args.lr")
+        quoted = raw.strip()[:1] in ("'", '"')
+        if re.search(r"(^|\s)#", raw) and not quoted:
+            value = raw  # YAML would read ' #...' as a comment and silently drop it: keep it whole
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else ""
+            except yaml.YAMLError:
+                value = raw
         if isinstance(value, (dict, list)) and not raw.strip().startswith(("{", "[")):
             value = raw
         node = out
@@ -213,9 +239,16 @@ def _load_builtin_site(name: str, user_path: Path) -> dict:
 # ---------------------------------------------------------------- validation helpers
 
 
-def _number(value, where: str, minimum: float | None = None, integer: bool = False, allow_none=True):
+def _number(value, where: str, minimum: float | None = None, integer: bool = False, allow_none=True,
+            maximum: float | None = None):
     if value is None and allow_none:
         return None
+    if isinstance(value, str):
+        # YAML 1.1 reads 1e-3 (no dot) as a string: a number written so is still that number
+        try:
+            value = float(value) if not value.strip().lstrip("+-").isdigit() else int(value)
+        except ValueError:
+            pass
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok and integer:
         ok = float(value).is_integer()
@@ -224,6 +257,8 @@ def _number(value, where: str, minimum: float | None = None, integer: bool = Fal
         raise SpecError(f"{where}: expected {kind}, got {value!r}")
     if minimum is not None and value < minimum:
         raise SpecError(f"{where}: must be at least {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise SpecError(f"{where}: must be at most {maximum:g}, got {value!r}")
     return int(value) if integer else value
 
 
@@ -269,7 +304,7 @@ def validate_scheduler_flags(flags, where: str) -> dict:
     for key, value in flags.items():
         key = str(key)
         if key in RESERVED_FLAGS:
-            raise SpecError(f"{where}.{key}: hpcrl sets --{key} itself; use {RESERVED_FLAGS[key]}")
+            raise SpecError(f"{where}.{key}: hpcrl sets --{key} itself, {RESERVED_FLAGS[key]}")
         if not FLAG_NAME_RE.match(key):
             raise SpecError(f"{where}.{key}: not a scheduler option name (lowercase letters, digits, -), "
                             f"e.g. mail-type: END")
@@ -296,14 +331,15 @@ def validate_name(name, where: str = "--name") -> str:
 
 def _validate_resources(res: dict, site: dict) -> dict:
     res = dict(res)
-    res["nodes"] = _number(res.get("nodes"), "resources.nodes", 1, integer=True, allow_none=False)
-    for key, minimum in (("gpus_per_node", 0), ("cpus_per_task", 1)):
+    res["nodes"] = _number(res.get("nodes"), "resources.nodes (--nodes)", 1, integer=True, allow_none=False,
+                           maximum=MAX_NODES)
+    for key, minimum, maximum in (("gpus_per_node", 0, MAX_GPUS_PER_NODE), ("cpus_per_task", 1, MAX_CPUS_PER_TASK)):
         if res.get(key) is None:
             res[key] = site.get(key)
-        res[key] = _number(res[key], f"resources.{key}", minimum, integer=True)
+        res[key] = _number(res[key], f"resources.{key}", minimum, integer=True, maximum=maximum)
     if res.get("mem_gb") is None:
         res["mem_gb"] = site.get("mem_gb")
-    res["mem_gb"] = _number(res["mem_gb"], "resources.mem_gb", 0.001)
+    res["mem_gb"] = _number(res["mem_gb"], "resources.mem_gb", 0.001, maximum=MAX_MEM_GB)
     return res
 
 
@@ -311,14 +347,35 @@ def _validate_budget(budget: dict, site: dict) -> dict:
     b = dict(budget)
     if b.get("hours") is None:
         b["hours"] = site.get("default_hours") or 1.0
-    b["hours"] = _number(b["hours"], "budget.hours (--hours)", 0.001, allow_none=False)
+    b["hours"] = _number(b["hours"], "budget.hours (--hours)", 0.001, allow_none=False, maximum=MAX_SEGMENT_HOURS)
     b["hours_min"] = _number(b.get("hours_min"), "budget.hours_min (--hours-min)", 0.001)
     if b["hours_min"] is not None and b["hours_min"] > b["hours"]:
         raise SpecError(f"budget.hours_min (--hours-min) {b['hours_min']}: must not exceed --hours {b['hours']}")
-    b["total_hours"] = _number(b.get("total_hours"), "budget.total_hours (--total-hours)", 0.001)
+    b["total_hours"] = _number(b.get("total_hours"), "budget.total_hours (--total-hours)", 0.001,
+                               maximum=MAX_TOTAL_HOURS)
     b["max_segments"] = _number(b.get("max_segments"), "budget.max_segments (--max-segments)", 1, integer=True,
-                                allow_none=False)
+                                allow_none=False, maximum=MAX_SEGMENTS)
+    check_budget(b["hours"], b["total_hours"])
     return b
+
+
+def check_budget(hours: float, total_hours: float | None) -> None:
+    """A total below one segment would stop the chain before its first segment ends."""
+    if total_hours is not None and total_hours < hours - 1e-9:
+        raise SpecError(f"budget.total_hours (--total-hours) {total_hours:g}: less than one segment's "
+                        f"--hours {hours:g}; raise --total-hours or lower --hours")
+
+
+def check_resume_budget(hours: float | None, total_hours: float | None, max_segments, current: dict) -> None:
+    """`hpcrl resume`'s new numbers, bounded as at submit (current: the run's budget now)."""
+    if hours is not None:
+        _number(hours, "--hours", 0.001, allow_none=False, maximum=MAX_SEGMENT_HOURS)
+    if total_hours is not None:
+        _number(total_hours, "--total-hours", 0.001, allow_none=False, maximum=MAX_TOTAL_HOURS)
+    if max_segments is not None:
+        _number(max_segments, "--max-segments", 1, integer=True, allow_none=False, maximum=MAX_SEGMENTS)
+    if total_hours is not None:
+        check_budget(hours if hours is not None else current["hours"], total_hours)
 
 
 def _validate_site(site: dict, hours: float) -> dict:
@@ -329,10 +386,15 @@ def _validate_site(site: dict, hours: float) -> dict:
         raise SiteError(f"site '{name}': scheduler must be one of {one_of(backends.names())}, got {site.get('scheduler')!r}")
     if not site.get("account") and site.get("account_env"):
         site["account"] = os.environ.get(site["account_env"]) or None
+    account = site.get("account")
+    if account is not None and (not isinstance(account, str) or not ACCOUNT_RE.match(account)):
+        raise SiteError(f"--account {account!r}: an account name has letters, digits and _ . - only "
+                        f"(e.g. m1234_g); check the value given by --account, {site.get('account_env') or 'the site'} "
+                        f"or the site profile")
     for key in _str_list(site.get("required"), f"site '{name}': required"):
         if site.get(key) in (None, ""):
             raise SiteError(_missing_site_value(site, key))
-    _validate_qos(site, hours)
+    validate_qos(site, hours)
     for key in ("signal_lead_s", "exit_margin_s", "kill_grace_s"):
         site[key] = _number(site.get(key), f"site '{name}': {key}", 0, allow_none=False)
     site["modules"] = _str_list(site.get("modules"), f"site '{name}': modules")
@@ -350,7 +412,7 @@ def _missing_site_value(site: dict, key: str) -> str:
             f"'{key}:' to {user_sites_dir()}/{name}.yaml (with 'extends: {name}')")
 
 
-def _validate_qos(site: dict, hours: float) -> None:
+def validate_qos(site: dict, hours: float) -> None:
     name, table = site.get("name"), _mapping(site.get("qos_table"), f"site '{site.get('name')}': qos_table")
     qos = site.get("qos")
     if not table:

@@ -18,7 +18,7 @@ CASES = [
     ("trainer: smoke\nbudget: {max_segments: 0}\n", {}, [], "budget.max_segments (--max-segments): must be at least 1"),
     ("trainer: smoke\nbudget: {max_segments: 2.5}\n", {}, [], "expected a whole number"),
     ("trainer: smoke\nbudget: {totl_hours: 3}\n", {}, [], "budget.totl_hours: unknown key (did you mean 'total_hours'?)"),
-    ("trainer: smoke\nresources: {nodes: 0}\n", {}, [], "resources.nodes: must be at least 1"),
+    ("trainer: smoke\nresources: {nodes: 0}\n", {}, [], "resources.nodes (--nodes): must be at least 1"),
     ("trainer: smoke\nresources: {gpus: 4}\n", {}, [], "resources.gpus: unknown key"),
     ("trainer: smoke\nresources: [1, 2]\n", {}, [], "resources: expected a mapping"),
     ("trainer: smoke\nargs: {step: 3}\n", {}, [], "args.step: unknown argument for trainer 'smoke' (did you mean 'steps'?)"),
@@ -28,7 +28,33 @@ CASES = [
     ("trainer: smoke\nenv: {HF_TOKEN: x}\n", {}, [], "looks like a secret"),
     ("trainer: smoke\nenv: {A: [1]}\n", {}, [], "env.A: expected a string or number"),
     ("trainer: smoke\nrequirements: numpy\n", {}, [], "requirements: expected a list of strings"),
-    ("trainer: smoke\nscheduler_flags: {time: 10}\n", {}, [], "hpcrl sets --time itself; use --hours"),
+    ("trainer: smoke\nscheduler_flags: {time: 10}\n", {}, [],
+     "scheduler_flags.time: hpcrl sets --time itself, from the segment hours; use --hours instead"),
+    ("trainer: smoke\nscheduler_flags: {o: x.log}\n", {}, [], "hpcrl sets --o itself, so that its log lands in the run directory"),
+    ("trainer: smoke\nbudget: {hours: 1e308}\n", {}, [], "budget.hours (--hours): must be at most 720"),
+    ("trainer: smoke\n", {}, ["--hours", "nan"], "budget.hours (--hours): expected a number, got nan"),
+    ("trainer: smoke\n", {}, ["--hours", "inf"], "budget.hours (--hours): expected a number, got inf"),
+    ("trainer: smoke\n", {}, ["--hours", "abc"], "argument --hours: invalid float value: 'abc'"),
+    ("trainer: smoke\n", {}, ["--hours", "4", "--total-hours", "1"],
+     "--total-hours) 1: less than one segment's --hours 4; raise --total-hours or lower --hours"),
+    ("trainer: smoke\n", {}, ["--total-hours", "1e12"], "budget.total_hours (--total-hours): must be at most"),
+    ("trainer: smoke\n", {}, ["--max-segments", "1000000"], "budget.max_segments (--max-segments): must be at most"),
+    ("trainer: smoke\n", {}, ["--nodes", "-3"], "resources.nodes (--nodes): must be at least 1"),
+    ("trainer: smoke\n", {}, ["--nodes", "99999999"], "resources.nodes (--nodes): must be at most"),
+    ("trainer: smoke\nresources: {mem_gb: 1e9}\n", {}, [], "resources.mem_gb: must be at most"),
+    ("trainer: smoke\nresources: {gpus_per_node: 1000}\n", {}, [], "resources.gpus_per_node: must be at most"),
+    ("trainer: smoke\nenv: {A: \"x\\0y\"}\n", {}, [], "env.A: contains a NUL byte"),
+    ("trainer: smoke\n", {}, ["--set", "args.st$eps=3"], "'st$eps' is not a key"),
+    ("trainer: smoke\n", {}, ["--set", "=3"], "expected KEY=VALUE"),
+    ("trainer: smoke\n", {}, ["--site", "perlmutter", "--account", "m1; rm -rf ~"], "an account name has letters, digits"),
+    ("trainer: smoke\n", {}, ["--site", "perlmutter", "--account", "$(id)"], "an account name has letters, digits"),
+    ("trainer: smoke\n", {}, ["--site", "../local"], "a site name has letters, digits"),
+    ("trainer: smoke\n", {}, ["--name", "r\u00fcn"], "a run name has"),
+    ("trainer: smoke\n", {}, ["--name", "x" * 65], "a run name has"),
+    ("trainer: smoke\n", {}, ["--name=-rf"], "a run name has"),
+    ("trainer: smoke\n", {}, ["--bogus"], "unrecognized arguments: --bogus"),
+    ("17\n", {}, [], "the top level must be a mapping"),
+    ("trainer: smoke\nbudget: {hours: 'soon'}\n", {}, [], "budget.hours (--hours): expected a number, got 'soon'"),
     ("trainer: smoke\nscheduler_flags: {Mail_Type: END}\n", {}, [], "not a scheduler option name"),
     ("trainer: smoke\nsite: {acount: x}\n", {}, [], "site.acount: unknown key (did you mean 'account'?)"),
     ("trainer: smoke\nname: 'bad name'\n", {}, [], "name 'bad name': a run name has"),
@@ -77,6 +103,35 @@ def test_bad_input_one_line_error_and_nothing_left_behind(home, tmp_path, spec_t
 def test_missing_spec_file(home, tmp_path):
     r = hpcrl("submit", str(tmp_path / "nope.yaml"), check=False)
     assert r.returncode == 2 and "nope.yaml: no such file" in r.stderr
+
+
+@pytest.mark.parametrize("bad", ["../..", "a/b", ".hidden", "", "x y", "r\u00fcn", "x" * 65])
+def test_run_ids_are_checked_like_run_names_before_the_registry(home, bad):
+    for verb in ("status", "logs", "resume", "cancel", "watch"):
+        r = hpcrl(verb, bad, check=False)
+        assert r.returncode == 2, (verb, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"hpcrl: error: run {bad!r}: not a run id") and r.stderr.count("\n") == 1, r.stderr
+        assert "Traceback" not in r.stderr and "Is a directory" not in r.stderr
+
+
+def test_resume_numbers_are_bounded_like_submit(home):
+    from hpcrl import launch
+    from hpcrl.spec import resolve
+
+    launch.create_run(resolve(None, "local", [], {"trainer": "smoke", "hours": 1}), "rb")
+    for args, expected in ((["--hours", "1e308"], "--hours: must be at most 720"),
+                           (["--hours", "0"], "--hours: must be at least"),
+                           (["--total-hours", "0.5"], "less than one segment's --hours 1"),
+                           (["--max-segments", "0"], "--max-segments: must be at least 1"),
+                           (["--hours", "x"], "argument --hours: invalid float value: 'x'")):
+        r = hpcrl("resume", "rb", *args, check=False)
+        assert r.returncode == 2 and expected in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_a_set_value_with_a_hash_comes_through_whole(home):
+    out = hpcrl("render", "--trainer", "smoke", "--set", "env.NOTE=a #b c", "--set", "args.steps=7",
+                "--set", "env.Q='#q'").stdout
+    assert "export NOTE='a #b c'" in out and "export Q='#q'" in out
 
 
 def test_unknown_run_for_status_logs_resume_cancel(home):
