@@ -83,7 +83,8 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
         header=backend.directives(resolved, run_id, layout), job_id_line=backend.job_id_line(),
         hpcrl_python=site.get("hpcrl_python") or sys.executable, command=trainer.command(ctx),
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
-        venv=venv_path(site, requirements(resolved)), nothing_to_do=protocol.EXIT_NOTHING_TO_DO))
+        venv=venv_path(site, requirements(resolved)), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
+        exit_continue=protocol.EXIT_CONTINUE))
 
 
 def render(resolved: dict, run_id: str | None = None) -> str:

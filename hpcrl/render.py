@@ -70,6 +70,7 @@ class ScriptParts:
     forward_usr1: bool = True  # the trainer checkpoints on USR1 (the protocol)
     venv: str | None = None
     nothing_to_do: int = 3    # protocol.EXIT_NOTHING_TO_DO of `_segment begin`
+    exit_continue: int = 85   # protocol.EXIT_CONTINUE: the job itself then ends 0 for its scheduler
 
 
 def render_script(p: ScriptParts) -> str:
@@ -88,5 +89,6 @@ def render_script(p: ScriptParts) -> str:
         hpcrl_python=p.hpcrl_python, hpcrl_src=str(lay.lib), job_id_line=p.job_id_line,
         modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv, python=site.get("python") or "python3",
         requirements_file=str(lay.requirements), env=env, nothing_to_do=int(p.nothing_to_do),
+        exit_continue=int(p.exit_continue),
         bootstrap=p.bootstrap, command=command_line(p.command), forward_usr1=p.forward_usr1,
     )

@@ -32,6 +32,8 @@ def test_smoke_run_goes_through_three_segments_and_loses_no_step(fast_local):
     assert len(ran) >= 3
     for seg in ran[:-1]:
         assert seg["state"] == "CONTINUE" and seg["rc"] == 85
+        job = json.loads((rdir / ".queue" / f"{seg['job_id']}.json").read_text())
+        assert (job["state"], job["exit_code"]) == ("COMPLETED", 0), "the scheduler records a job that did its work"
         # each segment ended by its own checkpoint before the walltime (no periodic save here)
         assert seg["end_step"] > seg["start_step"] if seg["start_step"] else seg["end_step"] > 0
         assert seg["ended"] - seg["started"] < 10.8
