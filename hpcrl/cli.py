@@ -109,6 +109,8 @@ def cmd_logs(ns) -> int:
 
     from . import launch
 
+    if not 0 < ns.interval <= 86400:
+        raise HpcrlError(f"--interval {ns.interval}: must be a number of seconds between 0 and 86400 (a day)")
     run = runs.Run.by_id(ns.run)
     launch.follow(run, interval_s=ns.interval, keep_going=ns.follow)  # e.g. TPU: logs copied from the bucket
     index = report.pick_segment(run.state(), ns.segment)
@@ -139,8 +141,8 @@ def cmd_watch(ns) -> int:
 
     from . import launch, lifecycle, runs
 
-    if ns.interval <= 0:
-        raise HpcrlError(f"--interval {ns.interval}: must be a positive number of seconds")
+    if not 0 < ns.interval <= 86400:
+        raise HpcrlError(f"--interval {ns.interval}: must be a number of seconds between 0 and 86400 (a day)")
     run = runs.Run.by_id(ns.run)
     backend, last = launch.backend_for(run), None
     try:
@@ -199,6 +201,17 @@ def cmd_sites(ns) -> int:
         if limits:
             print(f"{'':<14} qos: {limits} (default {r['default_qos']})")
     return 0
+
+
+def cmd_doctor(ns) -> int:
+    from . import doctor
+    from .spec import site_as_given
+
+    site = site_as_given(ns.site, ns.account, ns.sets)
+    checks = doctor.run_checks(site, trainer=ns.trainer)
+    print(f"hpcrl doctor: site {site['name']} ({site['scheduler']})")
+    print(doctor.format_checks(checks))
+    return 1 if any(c.status == "fail" for c in checks) else 0
 
 
 def cmd_init(ns) -> int:
@@ -282,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("sites", help="built-in and user site profiles, with their QOS limits")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_sites)
+    sp = sub.add_parser("doctor", help="preflight a site before the first big submission (run it on the login node)")
+    sp.add_argument("--site", help="site profile (default: local)")
+    sp.add_argument("--account", help="account to check (default: the site's, or $HPCRL_ACCOUNT)")
+    sp.add_argument("--trainer", default="builtin", help="trainer whose Python requirement to check (default builtin)")
+    sp.add_argument("--set", dest="sets", action="append", default=[], metavar="site.KEY=VALUE",
+                    help="override a site value for the checks; repeatable")
+    sp.set_defaults(func=cmd_doctor)
     sp = sub.add_parser("init", help="write a commented starter spec (./hpcrl.yaml)")
     sp.add_argument("--recipe", default="smoke", help="recipe name (--list shows them)")
     sp.add_argument("--list", action="store_true", help="list the recipes")
@@ -312,7 +332,8 @@ def main(argv=None) -> int:
     try:
         return ns.func(ns)
     except HpcrlError as e:
-        print(f"hpcrl: error: {e}", file=sys.stderr)
+        # one line whatever the message holds (a value with a newline is shown by its repr elsewhere)
+        print("hpcrl: error: " + " ".join(str(e).split("\n")), file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

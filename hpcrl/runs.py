@@ -104,10 +104,10 @@ def registry_dir() -> Path:
 
 def check_run_id(run_id) -> str:
     """A run id is a run name: nothing else may reach the registry's file system paths."""
-    from .names import NAME_RE
+    from .names import RUN_ID_RE
 
-    if not isinstance(run_id, str) or not NAME_RE.match(run_id):
-        raise RunError(f"run {run_id!r}: not a run id (1-64 letters, digits and . _ -); `hpcrl status` lists runs")
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+        raise RunError(f"run {run_id[:100]!r}: not a run id (letters, digits and . _ -); `hpcrl status` lists runs")
     return run_id
 
 

@@ -15,7 +15,7 @@ from .errors import SiteError, SpecError, did_you_mean, one_of
 from .names import NAME_RE  # the one rule for run and site names
 from .paths import site_configs_dir, user_sites_dir
 
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Names that look like credentials: they must come from the user's environment, never a file.
 SECRET_RE = re.compile(r"(TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
 
@@ -88,9 +88,9 @@ MAX_NODES = 10_000
 MAX_GPUS_PER_NODE = 64
 MAX_CPUS_PER_TASK = 4096
 MAX_MEM_GB = 64 * 1024
-ACCOUNT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-SET_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-FLAG_NAME_RE = re.compile(r"^[a-z][a-z0-9-]*$")
+ACCOUNT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+SET_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
+FLAG_NAME_RE = re.compile(r"[a-z][a-z0-9-]*\Z")
 
 
 def site_keys() -> dict:
@@ -424,6 +424,23 @@ def validate_qos(site: dict, hours: float) -> None:
         better = sorted((q for q, v in table.items() if (v or {}).get("max_hours", 0) >= hours), key=str)
         fix = f"; use --qos {better[0]}" if better else f"; use --hours {limit:g} or less"
         raise SiteError(f"site '{name}': qos '{qos}' allows at most {limit:g} h, asked {hours:g} h{fix}")
+
+
+def site_as_given(site_name: str | None, account: str | None = None, sets: list[str] | None = None) -> dict:
+    """A site profile with --account / --set site.KEY overrides, its account from the
+    environment if need be, and not validated further (what `hpcrl doctor` examines)."""
+    site = load_site(site_name or "local")
+    over = parse_set(sets or [])
+    unknown = set(over) - {"site"}
+    if unknown:
+        raise SpecError(f"--set {sorted(unknown)[0]}...: doctor takes only site.KEY=VALUE")
+    _check_keys(_mapping(over.get("site"), "site"), site_keys(), "site.")
+    site = deep_merge(site, {k: v for k, v in (over.get("site") or {}).items() if k != "name"})
+    if account is not None:
+        site["account"] = account
+    if not site.get("account") and site.get("account_env"):
+        site["account"] = os.environ.get(site["account_env"]) or None
+    return site
 
 
 def resolve(spec_path: str | None, site_name: str | None, sets: list[str] | None = None,

@@ -51,6 +51,7 @@ CASES = [
     ("trainer: smoke\n", {}, ["--site", "../local"], "a site name has letters, digits"),
     ("trainer: smoke\n", {}, ["--name", "r\u00fcn"], "a run name has"),
     ("trainer: smoke\n", {}, ["--name", "x" * 65], "a run name has"),
+    ("trainer: smoke\n", {}, ["--name", "run\n"], "a run name has"),
     ("trainer: smoke\n", {}, ["--name=-rf"], "a run name has"),
     ("trainer: smoke\n", {}, ["--bogus"], "unrecognized arguments: --bogus"),
     ("17\n", {}, [], "the top level must be a mapping"),
@@ -105,7 +106,7 @@ def test_missing_spec_file(home, tmp_path):
     assert r.returncode == 2 and "nope.yaml: no such file" in r.stderr
 
 
-@pytest.mark.parametrize("bad", ["../..", "a/b", ".hidden", "", "x y", "r\u00fcn", "x" * 65])
+@pytest.mark.parametrize("bad", ["../..", "a/b", ".hidden", "", "x y", "r\u00fcn", "x" * 81, "run\n"])
 def test_run_ids_are_checked_like_run_names_before_the_registry(home, bad):
     for verb in ("status", "logs", "resume", "cancel", "watch"):
         r = hpcrl(verb, bad, check=False)
@@ -126,6 +127,22 @@ def test_resume_numbers_are_bounded_like_submit(home):
                            (["--hours", "x"], "argument --hours: invalid float value: 'x'")):
         r = hpcrl("resume", "rb", *args, check=False)
         assert r.returncode == 2 and expected in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
+
+
+def test_a_long_default_run_id_is_a_run_id(home):
+    from hpcrl import launch
+    from hpcrl.spec import resolve
+
+    name = "n" * 64
+    run = launch.create_run(resolve(None, "local", [f"name={name}"], {"trainer": "smoke"}))
+    assert len(run.id) == 80 and hpcrl("status", run.id).returncode == 0
+
+
+def test_watch_and_logs_intervals_are_bounded(home):
+    for verb in ("watch", "logs"):
+        for value in ("0", "-1", "1e9", "nan"):
+            r = hpcrl(verb, "ghost", "--interval", value, check=False)
+            assert r.returncode == 2 and "--interval" in r.stderr and r.stderr.count("\n") == 1, (verb, value, r.stderr)
 
 
 def test_a_set_value_with_a_hash_comes_through_whole(home):

@@ -23,6 +23,16 @@ class JobState(str, enum.Enum):
 
 
 @dataclass
+class Check:
+    """One line of `hpcrl doctor`: status is pass, warn or fail; fix says what to do (not for pass)."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
 class JobInfo:
     """A job as its scheduler sees it. end_time: when it ended, or for a running job when the
     scheduler will end it (its limit)."""
@@ -94,6 +104,11 @@ class Backend:
 
     def submit_hint(self, run_id: str) -> list[str]:
         """Extra lines `hpcrl submit` prints (what the user must keep doing, if anything)."""
+        return []
+
+    def doctor(self, site: dict) -> list[Check]:
+        """`hpcrl doctor`'s checks of this scheduler for a site (the scheduler answers, the account,
+        the QOS table, features and GPUs, credentials): each a Check, never an exception."""
         return []
 
     # -- jobs

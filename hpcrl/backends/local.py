@@ -21,7 +21,7 @@ from pathlib import Path
 from ..atomicio import atomic_write_json
 from ..errors import BackendError
 from ..runs import RunLayout
-from .base import Backend, JobInfo, JobState
+from .base import Backend, Check, JobInfo, JobState
 
 POLL_S = 0.1
 
@@ -87,6 +87,9 @@ class LocalBackend(Backend):
 
     def directives(self, resolved: dict, run_id: str, layout) -> list[str]:
         return local_directives(resolved)
+
+    def doctor(self, site: dict) -> list[Check]:
+        return [Check("scheduler", "pass", "this machine: segments are process groups with a simulated walltime")]
 
     def submit(self, run, resolved: dict, after: str | None = None) -> str:
         run_dir, script = run.dir, run.layout.script

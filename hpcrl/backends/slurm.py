@@ -13,7 +13,7 @@ import time
 
 from ..errors import BackendError, SpecError
 from ..proc import run_command, stderr_tail
-from .base import Backend, JobInfo, JobState
+from .base import Backend, Check, JobInfo, JobState
 
 # Every job state Slurm reports (squeue(1) "JOB STATE CODES"), mapped to ours. Only finished
 # states map to a finished JobState: the lifecycle must never treat a job whose processes may
@@ -242,6 +242,113 @@ def parse_sbatch_parsable(text: str) -> str:
     return job_id
 
 
+def parse_walltime(text: str) -> float | None:
+    """Slurm's [D-]HH:MM:SS, MM:SS or MM as hours; '' / UNLIMITED / Partition_Limit -> None."""
+    text = text.strip()
+    if not text or text.upper() in ("UNLIMITED", "INFINITE", "PARTITION_LIMIT", "NONE"):
+        return None
+    days = 0
+    if "-" in text:
+        d, text = text.split("-", 1)
+        days = int(d)
+    parts = [int(p) for p in text.split(":")]
+    h, m, sec = ([0, 0] + parts)[-3:] if len(parts) > 1 else (0, parts[0], 0)
+    return days * 24 + h + m / 60 + sec / 3600
+
+
+def parse_sinfo_nodes(text: str) -> list[tuple[str, set, int]]:
+    """`sinfo -h -N -o '%N|%f|%G'` lines -> (node, features, GPUs); gres like gpu:4 or gpu:a100:4(S:0)."""
+    nodes = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3:
+            continue
+        name, features, gres = parts
+        gpus = 0
+        for item in gres.split(","):
+            m = re.match(r"gpu(?::[^:(]+)?:(\d+)", item.strip())
+            if m:
+                gpus += int(m.group(1))
+        nodes.append((name, {f for f in features.split(",") if f and f != "(null)"}, gpus))
+    return nodes
+
+
+def constraint_terms(constraint: str) -> set:
+    """The features a constraint needs on one node: 'gpu&hbm80g' -> {gpu, hbm80g} (| and [] not split)."""
+    return {t.strip() for t in re.split(r"[&,]", constraint or "") if t.strip()}
+
+
+def doctor_checks(site: dict, run) -> list[Check]:
+    """The Slurm checks of `hpcrl doctor`; `run(argv)` is the command helper (a CommandResult)."""
+    import getpass
+
+    checks = []
+    try:
+        info = run(["sinfo", "-h", "-N", "-o", "%N|%f|%G"])
+    except BackendError as e:
+        return [Check("scheduler", "fail", str(e), "run doctor on a login node of the cluster, where sinfo answers")]
+    if info.returncode != 0:
+        return [Check("scheduler", "fail", f"sinfo failed: {stderr_tail(info)}", "is slurmctld up? try `scontrol ping`")]
+    nodes = parse_sinfo_nodes(info.stdout)
+    checks.append(Check("scheduler", "pass", f"slurmctld answers: {len(nodes)} node(s)"))
+    want, gpus = constraint_terms(site.get("constraint") or ""), int(site.get("gpus_per_node") or 0)
+    fits = [n for n, feats, g in nodes if want <= feats and g >= gpus]
+    if fits:
+        checks.append(Check("nodes", "pass", f"{len(fits)} node(s) with {'&'.join(sorted(want)) or 'any features'} "
+                                             f"and >= {gpus} GPUs"))
+    else:
+        have = sorted({f for _, feats, _ in nodes for f in feats})
+        most = max((g for _, _, g in nodes), default=0)
+        checks.append(Check("nodes", "fail", f"no node has features {sorted(want)} with {gpus} GPUs (features here: "
+                                             f"{', '.join(have) or 'none'}; most GPUs on a node: {most})",
+                            "fix the site's constraint / gpus_per_node (sinfo -o '%N %f %G' lists them)"))
+    user = getpass.getuser()
+    account = site.get("account")
+    try:
+        acc = run(["sacctmgr", "-n", "-P", "show", "associations", f"where=account={account or ''}",
+                   f"user={user}", "format=Account,User,QOS"])
+    except BackendError:
+        acc = None
+    if acc is None or acc.returncode != 0:
+        why = stderr_tail(acc) if acc is not None else "sacctmgr is not installed"
+        checks.append(Check("account", "warn", f"cannot check accounts here ({why})",
+                            "ask your centre which account to use; Slurm refuses a wrong one at submit"))
+        return checks
+    if not account:
+        checks.append(Check("account", "fail", "the site has no account",
+                            "pass --account A, export HPCRL_ACCOUNT=A, or add account: to your site profile"))
+    elif not any(line.split("|")[:2] == [account, user] for line in acc.stdout.splitlines()):
+        checks.append(Check("account", "fail", f"account '{account}' has no association for user {user}",
+                            f"check the name (`sacctmgr show associations user={user}` lists yours; GPU "
+                            f"accounts end in _g) and pass --account"))
+    else:
+        checks.append(Check("account", "pass", f"user {user} may charge account '{account}'"))
+    qos = run(["sacctmgr", "-n", "-P", "show", "qos", "format=Name,MaxWall"])
+    if qos.returncode != 0:
+        checks.append(Check("qos", "warn", f"cannot read the QOS table: {stderr_tail(qos)}", "ask your centre"))
+        return checks
+    limits = {}
+    for line in qos.stdout.splitlines():
+        name, _, wall = line.partition("|")
+        if name.strip():
+            limits[name.strip()] = parse_walltime(wall)
+    table = site.get("qos_table") or {}
+    missing = sorted(q for q in table if q not in limits)
+    drift = sorted(f"{q}: profile {((table[q] or {}).get('max_hours'))} h, Slurm {limits[q]} h" for q in table
+                   if q in limits and limits[q] is not None and (table[q] or {}).get("max_hours") is not None
+                   and abs(limits[q] - table[q]["max_hours"]) > 1e-6)
+    if site.get("qos") and limits and site["qos"] not in limits:
+        checks.append(Check("qos", "fail", f"the site's QOS '{site['qos']}' does not exist here (Slurm has: "
+                                           f"{', '.join(sorted(limits))})", "pass --qos Q or fix the site's qos"))
+    elif drift or missing:
+        what = "; ".join(drift + [f"{q}: not in Slurm" for q in missing])
+        checks.append(Check("qos", "warn", f"the profile's QOS table differs from Slurm's: {what}",
+                            "update qos_table in your site profile (sacctmgr show qos format=Name,MaxWall)"))
+    else:
+        checks.append(Check("qos", "pass", f"{len(table)} QOS limits agree with Slurm's" if table else "no QOS table"))
+    return checks
+
+
 # --- I/O ---------------------------------------------------------------------------------------
 
 class SlurmBackend(Backend):
@@ -251,6 +358,9 @@ class SlurmBackend(Backend):
 
     def directives(self, resolved: dict, run_id: str, layout) -> list[str]:
         return sbatch_directives(sbatch_options(resolved, run_id, layout))
+
+    def doctor(self, site: dict) -> list[Check]:
+        return doctor_checks(site, lambda argv: run_command(argv, timeout_s=30, check=False))
 
     def submit(self, run, resolved: dict, after: str | None = None) -> str:
         return self.sbatch(run.layout.script, after)

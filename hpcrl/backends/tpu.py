@@ -32,7 +32,7 @@ from ..errors import BackendError, SiteError, one_of
 from ..runs import RunLayout
 from ..shell import q
 from ..proc import run_command, stderr_tail
-from .base import Backend, JobInfo, JobState
+from .base import Backend, Check, JobInfo, JobState
 
 PROVISIONING = {  # mode -> (gcloud release track, extra create flags)
     "spot": ([], ["--spot"]),
@@ -315,6 +315,39 @@ class TpuBackend(Backend):
         from . import tpu_watch
 
         tpu_watch.follow_in_background(run, self, interval_s, ops)
+
+    def doctor(self, site: dict) -> list[Check]:
+        if shutil.which("gcloud") is None:
+            return [Check("gcloud", "fail", "gcloud is not installed",
+                          "install the Google Cloud CLI (https://cloud.google.com/sdk/docs/install)")]
+        checks = []
+        auth = run_command(["gcloud", "auth", "list", "--filter=status:ACTIVE", "--format=value(account)"],
+                           timeout_s=30, check=False)
+        who = auth.stdout.strip().splitlines() if auth.returncode == 0 else []
+        checks.append(Check("gcloud auth", "pass", f"authenticated as {who[0]}") if who else
+                      Check("gcloud auth", "fail", "no active gcloud account", "run `gcloud auth login`"))
+        try:
+            complete_site(site)
+        except (SiteError, BackendError) as e:
+            return checks + [Check("site", "fail", str(e), "set the value in your site profile or with --set")]
+        checks.append(Check("site", "pass", f"project {site['project']}, zone {site['zone']}, bucket {site['bucket']}"))
+        ls = run_command(["gcloud", "storage", "ls", site["bucket"]], timeout_s=60, check=False)
+        checks.append(Check("bucket", "pass", f"{site['bucket']} is readable") if ls.returncode == 0 else
+                      Check("bucket", "fail", f"{site['bucket']}: {stderr_tail(ls)}",
+                            explain(ls.stderr, site) or f"create it: gcloud storage buckets create {site['bucket']}"))
+        types = run_command(["gcloud", "compute", "tpus", "accelerator-types", "list", f"--zone={site['zone']}",
+                             f"--project={site['project']}", "--format=value(name)"], timeout_s=60, check=False)
+        offered = {t.strip().rsplit("/", 1)[-1] for t in types.stdout.splitlines() if t.strip()}
+        if types.returncode != 0:
+            checks.append(Check("accelerator", "fail", f"zone {site['zone']}: {stderr_tail(types)}",
+                                explain(types.stderr, site) or "check the zone name (--set site.zone=Z)"))
+        elif site["accelerator_type"] in offered:
+            checks.append(Check("accelerator", "pass", f"zone {site['zone']} offers {site['accelerator_type']}"))
+        else:
+            checks.append(Check("accelerator", "fail", f"zone {site['zone']} does not offer {site['accelerator_type']} "
+                                                       f"(it has: {', '.join(sorted(offered)) or 'none'})",
+                                "pick a zone that does: gcloud compute tpus accelerator-types list --zone=Z"))
+        return checks
 
     def explain(self, message: str) -> str | None:
         return explain(message, self.site)

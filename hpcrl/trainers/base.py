@@ -56,6 +56,8 @@ class Trainer:
     required: tuple = ()   # keys the user must set (no sensible default exists)
     # Runs the trainer as the protocol says (signals + deadline) or needs help (verl, maxtext).
     obeys_protocol = True
+    # The oldest Python the trainer's requirements install on (`hpcrl doctor` checks the site's).
+    python_min = (3, 10)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

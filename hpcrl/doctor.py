@@ -1,0 +1,106 @@
+"""`hpcrl doctor`: the preflight a user runs on the login node before the first big submission.
+
+Each check passes, warns or fails with a one-line fix. The scheduler's own checks (it answers,
+the account, the QOS table against the scheduler's limits, features and GPUs, cloud credentials)
+come from the site's backend (`Backend.doctor`); the ones every site shares are here: the
+profile's modules load in a non-interactive bash, the Python they give is new enough for the
+trainer, outputs and venv_root are writable (with free space), and the variables the profile's
+paths use are set. Nothing here writes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from .backends import for_site
+from .backends.base import Check
+from .errors import HpcrlError
+from .render import expand_path
+from .shell import q
+from .trainers import get_trainer
+
+STATUS_ORDER = ("pass", "warn", "fail")
+
+
+def run_checks(site: dict, trainer: str = "builtin") -> list[Check]:
+    checks = list(for_site(site).doctor(site))
+    checks += _paths(site)
+    checks += _modules_and_python(site, get_trainer(trainer))
+    return checks
+
+
+def _paths(site: dict) -> list[Check]:
+    out = []
+    for key in ("outputs", "venv_root"):
+        template = site.get(key)
+        if not template:
+            continue
+        try:
+            path = Path(expand_path(template, site, key))
+        except HpcrlError as e:  # a $SCRATCH-style variable that is not set here
+            out.append(Check(key, "fail", str(e).split("; ")[0], f"set the variable, or --set site.{key}=DIR"))
+            continue
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not os.access(existing, os.W_OK | os.X_OK):
+            out.append(Check(key, "fail", f"{path}: {existing} is not writable by you",
+                             f"point site.{key} at a directory you own (--set site.{key}=DIR)"))
+            continue
+        free_gb = shutil.disk_usage(existing).free / 1e9
+        made = "" if existing == path else " (will be created)"
+        status = "warn" if free_gb < 10 else "pass"
+        out.append(Check(key, status, f"{path}{made}: writable, {free_gb:.1f} GB free",
+                         "checkpoints of a real model need tens of GB: free space or move it" if status == "warn" else ""))
+    return out
+
+
+def _modules_and_python(site: dict, trainer) -> list[Check]:
+    """Run what the job runs first, in a non-interactive bash: the module loads, then the Python."""
+    modules = site.get("modules") or []
+    python = site.get("python") or "python3"
+    loads = "".join(f"module load {q(m)} || exit 91\n" for m in modules)
+    script = loads + f"exec {q(python)} -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'\n"
+    try:
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return [Check("modules", "fail", "loading the modules took over 2 minutes", "check the module system")]
+    err = " ".join(proc.stderr.split())[-300:]
+    out = []
+    if modules:
+        if proc.returncode == 91 or "module: command not found" in proc.stderr:
+            out.append(Check("modules", "fail", f"`module load {' '.join(modules)}` failed in a non-interactive "
+                                                f"bash: {err or 'exit ' + str(proc.returncode)}",
+                             "fix the site's modules (module avail lists them), or run doctor on a login node"))
+            return out
+        out.append(Check("modules", "pass", f"{', '.join(modules)} load in a non-interactive bash"))
+    if proc.returncode != 0:
+        out.append(Check("python", "fail", f"{python}: {err or 'exit ' + str(proc.returncode)}",
+                         "set the site's python to an interpreter the job can run"))
+        return out
+    have = tuple(int(x) for x in proc.stdout.strip().split("."))
+    need = tuple(getattr(trainer, "python_min", (3, 10)))
+    if have < need:
+        out.append(Check("python", "fail", f"{python} is {'.'.join(map(str, have))}; the {trainer.name} trainer's "
+                                           f"requirements need >= {'.'.join(map(str, need))}",
+                         "load a newer python module or set the site's python"))
+    else:
+        out.append(Check("python", "pass", f"{python} is {'.'.join(map(str, have))} (>= {'.'.join(map(str, need))} "
+                                           f"for {trainer.name})"))
+    return out
+
+
+def format_checks(checks: list[Check]) -> str:
+    width = max((len(c.name) for c in checks), default=0)
+    lines = []
+    for c in checks:
+        line = f"{c.status.upper():<5} {c.name:<{width}}  {c.detail}"
+        lines.append(line + (f"; fix: {c.fix}" if c.fix and c.status != "pass" else ""))
+    fails = sum(c.status == "fail" for c in checks)
+    warns = sum(c.status == "warn" for c in checks)
+    lines.append(f"{len(checks)} checks: {len(checks) - fails - warns} passed, {warns} warned, {fails} failed")
+    return "\n".join(lines)
