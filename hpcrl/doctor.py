@@ -5,7 +5,7 @@ the account, the QOS table against the scheduler's limits, features and GPUs, cl
 come from the site's backend (`Backend.doctor`); the ones every site shares are here: the
 profile's modules load in a non-interactive bash, the Python they give is new enough for the
 trainer, outputs and venv_root are writable (with free space), and the variables the profile's
-paths use are set. Nothing here writes anything.
+paths use are set. Nothing here changes anything (writability is tried with a temporary file, removed at once).
 """
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ STATUS_ORDER = ("pass", "warn", "fail")
 
 
 def run_checks(site: dict, trainer: str = "builtin") -> list[Check]:
-    checks = list(for_site(site).doctor(site))
-    checks += _paths(site)
-    checks += _modules_and_python(site, get_trainer(trainer))
+    backend = for_site(site)
+    checks = list(backend.doctor(site))
+    if backend.jobs_share_this_environment:
+        checks += _paths(site)
+        checks += _modules_and_python(site, get_trainer(trainer))
+    else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
+        checks += _paths({**site, "venv_root": None})
     return checks
 
 
@@ -46,8 +50,9 @@ def _paths(site: dict) -> list[Check]:
         existing = path
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
-        if not os.access(existing, os.W_OK | os.X_OK):
-            out.append(Check(key, "fail", f"{path}: {existing} is not writable by you",
+        problem = _unwritable(existing)
+        if problem:
+            out.append(Check(key, "fail", f"{path}: {problem}",
                              f"point site.{key} at a directory you own (--set site.{key}=DIR)"))
             continue
         free_gb = shutil.disk_usage(existing).free / 1e9
@@ -56,6 +61,22 @@ def _paths(site: dict) -> list[Check]:
         out.append(Check(key, status, f"{path}{made}: writable, {free_gb:.1f} GB free",
                          "checkpoints of a real model need tens of GB: free space or move it" if status == "warn" else ""))
     return out
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why nothing can be created in `directory`, or None. Tried for real (a temporary file,
+    removed at once): permission bits do not tell root about a read-only filesystem."""
+    import tempfile
+
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".hpcrl-doctor-", dir=directory)
+    except OSError as e:
+        return f"{directory} is not writable ({e.strerror})"
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 def _modules_and_python(site: dict, trainer) -> list[Check]:

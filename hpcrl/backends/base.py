@@ -70,6 +70,9 @@ class Backend:
     # Inside a job: the environment variable holding its id (None: HPCRL_JOB_ID set by hpcrl).
     job_id_variable: str | None = None
     job_id_missing = "run this script through hpcrl: the local backend sets HPCRL_JOB_ID"
+    # Jobs see this machine's modules, Python and venv_root (a login node and its compute nodes
+    # share them); False where jobs run elsewhere (a TPU VM): `hpcrl doctor` then skips those.
+    jobs_share_this_environment = True
 
     def __init__(self, site: dict):
         self.site = site

@@ -296,6 +296,7 @@ class TpuBackend(Backend):
     name = "tpu"
     reconciles_outside_job = True  # the VM cannot queue its successor: backends/tpu_watch.py does
     job_id_missing = "the TPU startup script sets HPCRL_JOB_ID"
+    jobs_share_this_environment = False  # the VM has its own Python, venvs and disk
     site_keys = {"project": None, "zone": None, "accelerator_type": None, "runtime_version": None,
                  "provisioning": None, "bucket": None, "max_retries": None, "vm_root": DEFAULT_VM_ROOT}
 

@@ -1,0 +1,142 @@
+"""`hpcrl doctor`: every check passes on a good site, and each broken profile gives its own
+failure (or warning) with a fix, exit status non-zero on any failure. The Slurm checks are fed
+recorded-shape answers of sinfo/sacctmgr by a TEST DOUBLE of the command helper; the TPU checks
+run against the fake gcloud (a TEST DOUBLE); the shared checks (modules, Python, paths) are real.
+The same checks against the real test cluster are in tests/test_slurm_doctor.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import hpcrl
+from hpcrl import doctor
+from hpcrl.backends.slurm import doctor_checks, parse_sinfo_nodes, parse_walltime
+from hpcrl.proc import CommandResult
+
+SINFO = "nid001|gpu,a100,hbm40g|gpu:4(S:0-1)\nnid002|gpu,a100,hbm40g|gpu:a100:4\n"
+QOS = "regular|2-00:00:00\ndebug|00:30:00\npreempt|2-00:00:00\nnormal|\n"
+ASSOC = "m1234_g|{user}|debug,regular\n"
+
+
+def answers(sinfo=SINFO, qos=QOS, assoc=None, sacctmgr_rc=0):
+    import getpass
+
+    assoc = ASSOC.format(user=getpass.getuser()) if assoc is None else assoc
+
+    def run(argv):
+        if argv[0] == "sinfo":
+            return CommandResult(argv, 0, sinfo, "")
+        if "associations" in argv:
+            return CommandResult(argv, sacctmgr_rc, assoc if not sacctmgr_rc else "",
+                                 "sacctmgr: error: accounting storage is disabled" if sacctmgr_rc else "")
+        return CommandResult(argv, 0, qos, "")
+    return run
+
+
+SITE = {"name": "pm", "account": "m1234_g", "constraint": "gpu", "gpus_per_node": 4, "qos": "debug",
+        "qos_table": {"regular": {"max_hours": 48}, "debug": {"max_hours": 0.5}, "preempt": {"max_hours": 48}}}
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_parsers():
+    assert [parse_walltime(t) for t in ("2-00:00:00", "00:30:00", "04:00:00", "30", "", "UNLIMITED")] == \
+        [48, 0.5, 4, 0.5, None, None]
+    assert parse_sinfo_nodes(SINFO) == [("nid001", {"gpu", "a100", "hbm40g"}, 4), ("nid002", {"gpu", "a100", "hbm40g"}, 4)]
+
+
+def test_a_good_slurm_site_passes_every_check():
+    checks = by_name(doctor_checks(SITE, answers()))
+    assert {n: c.status for n, c in checks.items()} == {"scheduler": "pass", "nodes": "pass", "account": "pass",
+                                                        "qos": "pass"}
+
+
+@pytest.mark.parametrize("change, name, status, words", [
+    ({"account": "m9999_g"}, "account", "fail", "account 'm9999_g' has no association for user"),
+    ({"account": None}, "account", "fail", "the site has no account"),
+    ({"qos_table": {**SITE["qos_table"], "debug": {"max_hours": 1}}}, "qos", "warn", "debug: profile 1 h, Slurm 0.5 h"),
+    ({"qos_table": {**SITE["qos_table"], "gold": {"max_hours": 1}}}, "qos", "warn", "gold: not in Slurm"),
+    ({"qos": "gold"}, "qos", "fail", "the site's QOS 'gold' does not exist here"),
+    ({"constraint": "gpu&hbm80g"}, "nodes", "fail", "no node has features ['gpu', 'hbm80g']"),
+    ({"gpus_per_node": 8}, "nodes", "fail", "most GPUs on a node: 4"),
+])
+def test_each_broken_slurm_profile_gets_its_own_message(change, name, status, words):
+    check = by_name(doctor_checks({**SITE, **change}, answers()))[name]
+    assert check.status == status and words in check.detail and (check.fix or status == "pass"), check
+
+
+def test_no_accounting_is_a_warning_not_a_failure():
+    check = by_name(doctor_checks(SITE, answers(sacctmgr_rc=1)))["account"]
+    assert check.status == "warn" and "accounting storage is disabled" in check.detail
+
+
+def test_shared_checks_modules_python_and_paths(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    site = {"name": "s", "scheduler": "local", "modules": [], "python": sys.executable,
+            "outputs": str(tmp_path / "out"), "venv_root": str(blocker / "venvs")}
+    checks = by_name(doctor._paths(site) + doctor._modules_and_python(site, type("T", (), {"name": "t"})()))
+    assert checks["outputs"].status == "pass" and "(will be created)" in checks["outputs"].detail
+    assert checks["venv_root"].status == "fail" and "is not a directory" in checks["venv_root"].detail
+    assert checks["python"].status == "pass"
+    assert not list(tmp_path.glob("**/.hpcrl-doctor-*")), "the write test left nothing behind"
+    monkeypatch.delenv("SCRATCH", raising=False)
+    unset = by_name(doctor._paths({**site, "outputs": "$SCRATCH/runs"}))["outputs"]
+    assert unset.status == "fail" and "$SCRATCH, which is not set here" in unset.detail
+    old = type("T", (), {"name": "maxtext", "python_min": (9, 0)})()
+    too_old = by_name(doctor._modules_and_python(site, old))["python"]
+    assert too_old.status == "fail" and ">= 9.0" in too_old.detail
+    missing = by_name(doctor._modules_and_python({**site, "modules": ["python"]}, old))["modules"]
+    assert missing.status == "fail" and "module load python" in missing.detail
+
+
+def test_a_read_only_outputs_directory_fails_even_for_root(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root and mount permission)")
+    try:
+        check = by_name(doctor._paths({"name": "s", "outputs": str(ro / "runs")}))["outputs"]
+        assert check.status == "fail" and "not writable (Read-only file system)" in check.detail
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def test_cli_local_site_passes_and_a_broken_one_exits_non_zero(home, tmp_path):
+    good = hpcrl("doctor")
+    assert good.returncode == 0 and "0 failed" in good.stdout and "FAIL" not in good.stdout
+    (tmp_path / "f").write_text("")
+    bad = hpcrl("doctor", "--set", f"site.outputs={tmp_path}/f/x", check=False)
+    assert bad.returncode == 1 and "FAIL  outputs" in bad.stdout and "fix: point site.outputs" in bad.stdout
+
+
+def test_tpu_site_through_the_fake_gcloud(home, tmp_path, monkeypatch):
+    fake = Path(__file__).resolve().parent / "fake_gcloud"
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(tmp_path / "gcs"))
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "gcs" / "bkt").mkdir(parents=True)
+    sets = ["--site", "tpu-v5p-8", "--set", "site.project=my-proj", "--set", "site.zone=us-east5-a",
+            "--set", "site.bucket=gs://bkt", "--set", f"site.outputs={tmp_path}/runs", "--trainer", "smoke"]
+
+    def scenario(**kw):
+        (tmp_path / "fake" / "scenario.json").write_text(json.dumps({"creates": [], **kw}))
+
+    scenario()
+    ok = hpcrl("doctor", *sets, check=False)
+    assert "PASS  gcloud auth" in ok.stdout and "PASS  bucket" in ok.stdout and "PASS  accelerator" in ok.stdout
+    scenario(accounts=[], accelerator_types={"us-east5-a": ["v6e-8"]})
+    bad = hpcrl("doctor", *sets, "--set", "site.bucket=gs://nope", check=False)
+    assert bad.returncode == 1
+    for words in ("FAIL  gcloud auth", "gcloud auth login", "FAIL  bucket", "FAIL  accelerator",
+                  "does not offer v5p-8 (it has: v6e-8)"):
+        assert words in bad.stdout, bad.stdout
