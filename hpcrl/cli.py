@@ -75,15 +75,17 @@ def cmd_submit(ns) -> int:
 def cmd_status(ns) -> int:
     from . import report, runs
 
+    problems: dict = {}
+
     def refresh_many(active):
         from . import launch  # only for active runs: it loads the scheduler backends
 
-        return launch.refresh_many(active)
+        return launch.refresh_many(active, problems)
 
     def note(run, state):
         from . import launch
 
-        return launch.backend_for(run).status_note(run, state)
+        return problems.get(run.id) or launch.backend_for(run).status_note(run, state)
 
     if ns.run is not None:
         rows = report.status_rows([runs.Run.by_id(ns.run).id], refresh_many, note)
@@ -236,7 +238,10 @@ def cmd_segment(ns) -> int:
             from .protocol import EXIT_NOTHING_TO_DO
 
             return EXIT_NOTHING_TO_DO
-        print(f"{started[0]} {started[1]:.3f}")
+        print(f"{started[0]} {started[1]:.3f} {int(started[2])}")
+    elif ns.phase == "successor":
+        until = launch._job_end_from_env(launch.Run(ns.run_dir).spec(), os.environ)
+        return 0 if launch.keep_successor(ns.run_dir, ns.job_id, until) else 1
     else:
         launch.segment_end(ns.run_dir, ns.job_id, ns.rc)
     return 0
@@ -314,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(func=_rl_command(name))
     sp = sub.add_parser("_segment")  # used by the segment script; hidden from the help list
-    sp.add_argument("phase", choices=["begin", "end"])
+    sp.add_argument("phase", choices=["begin", "successor", "end"])
     sp.add_argument("run_dir")
     sp.add_argument("--job-id", required=True)
     sp.add_argument("--rc", type=int, default=0)

@@ -195,25 +195,33 @@ def checkpoint_step(run: Run, spec: dict | None = None, remote: bool = False) ->
     return _trainer(run, spec).checkpoint_step(run.dir, run.layout.checkpoints, remote=remote)
 
 
-def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float] | None:
-    """Record the segment's start and queue its successor; None when nothing is left to do."""
+RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0  # back-off between submits while the scheduler is away
+sleep = time.sleep
+
+
+def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float, bool] | None:
+    """Record the segment's start and queue its successor: (segment number, deadline, whether the
+    successor still has to be queued: the job script then keeps trying in the background), or
+    None when nothing is left to do."""
     environ = os.environ if environ is None else environ
     run = Run(Path(run_dir))
     spec = run.spec()
     backend = for_site(spec["site"])
     step = checkpoint_step(run, spec, remote=True)
+    job_end = _job_end(backend, run, str(job_id), environ, run.state()["budget"]["hours"])
     with run.locked() as state:
         seg, actions = lifecycle.begin(state, str(job_id), step, clock(),
                                        chains=not backend.reconciles_outside_job)
         if seg["state"] == lifecycle.SegState.SKIPPED:
             _carry_out(run, state, actions, backend)
             return None
+        pending = False
         try:
             _carry_out(run, state, actions, backend)
         except BackendError as e:
-            lifecycle.successor_failed(state, str(e), clock())  # segment_end tries again
-        hours = state["budget"]["hours"]
-    return seg["k"], _job_end(backend, run, str(job_id), environ, hours) - float(spec["site"]["exit_margin_s"])
+            lifecycle.successor_failed(state, str(e), clock(), until=job_end)
+            pending = True
+    return seg["k"], job_end - float(spec["site"]["exit_margin_s"]), pending
 
 
 def _job_end(backend, run: Run, job_id: str, environ, hours: float) -> float:
@@ -226,8 +234,41 @@ def _job_end(backend, run: Run, job_id: str, environ, hours: float) -> float:
     return end or clock() + hours * 3600
 
 
-def segment_end(run_dir: str, job_id: str, rc: int) -> None:
-    """Record the trainer's exit and decide whether the chain goes on."""
+def keep_successor(run_dir: str, job_id: str, until: float) -> bool:
+    """Inside a job whose successor could not be queued: retry with back-off until it is queued,
+    the run needs none any more, or `until` (the job's end) passes. True when nothing is missing.
+    The run's lock is held only for each attempt, never while waiting."""
+    run = Run(Path(run_dir))
+    backend = backend_for(run)
+    delay = RETRY_FIRST_S
+    while True:
+        with run.locked() as state:
+            actions = lifecycle.needs_successor(state, job_id)
+            if not actions:
+                return True
+            try:
+                _carry_out(run, state, actions, backend)
+                return True
+            except BackendError as e:
+                if clock() + delay >= until:
+                    lifecycle.queue_failed(state, str(e), clock())
+                    return False
+                lifecycle.successor_failed(state, str(e), clock(), until=until)
+        sleep(delay)
+        delay = min(RETRY_MAX_S, delay * 2)
+
+
+def _job_end_from_env(spec: dict, environ) -> float:
+    """Inside the job, its end: the deadline the script exported plus the margin it was cut by."""
+    deadline = environ.get(protocol.ENV_DEADLINE)
+    margin = float(spec["site"]["exit_margin_s"])
+    return (float(deadline) + margin if deadline else clock() + margin) - 2.0
+
+
+def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
+    """Record the trainer's exit and decide whether the chain goes on; a successor the scheduler
+    does not take now is retried until the job's end."""
+    environ = os.environ if environ is None else environ
     run = Run(Path(run_dir))
     spec = run.spec()
     backend = for_site(spec["site"])
@@ -239,8 +280,11 @@ def segment_end(run_dir: str, job_id: str, rc: int) -> None:
         run.layout.checkpointing_flag.unlink(missing_ok=True)
         try:
             _carry_out(run, state, actions, backend)
+            return
         except BackendError as e:
-            lifecycle.queue_failed(state, str(e), clock())
+            until = _job_end_from_env(spec, environ)
+            lifecycle.successor_failed(state, str(e), clock(), until=until)
+    keep_successor(run_dir, job_id, until)
 
 
 def error_tail(run: Run, state: dict, lines: int = 3) -> str:
@@ -302,7 +346,7 @@ def refresh(run: Run) -> dict:
     return refresh_many([run])[run.id]
 
 
-def refresh_many(run_list: list[Run]) -> dict[str, dict]:
+def refresh_many(run_list: list[Run], problems: dict | None = None) -> dict[str, dict]:
     """Reconcile active runs with their schedulers: a chain with no live job left is STOPPED.
 
     One batched `poll` per backend for every live job of every run (status costs O(1) scheduler
@@ -325,9 +369,14 @@ def refresh_many(run_list: list[Run]) -> dict[str, dict]:
         jobs = [(run, s["job_id"]) for run, state in members for s in lifecycle.live_segments(state)]
         try:
             infos = backend.poll(jobs) if jobs else {}
-        except Exception:  # a scheduler hiccup must not break `status`; the next call retries
+        except BackendError as e:  # the scheduler is away: say so, judge nothing; the next call retries
+            for run, _ in members:
+                if problems is not None:
+                    problems[run.id] = f"scheduler unreachable ({e}); showing the last known state"
             continue
         for run, state in members:
+            if lifecycle.awaits_successor(state, clock()):
+                continue  # its job is still queueing the successor: not a chain that ended
             live = lifecycle.live_segments(state)
             if any(not infos[s["job_id"]].state.finished for s in live if s["job_id"] in infos):
                 continue

@@ -161,7 +161,17 @@ def queued(state: dict, job_id: str, after: str | None, now: float) -> dict:
     """Record a segment the backend accepted."""
     seg = {"job_id": str(job_id), "state": SegState.QUEUED.value, "submitted": now, "after": after}
     state["segments"].append(seg)
+    if state.get("successor_pending"):
+        add_event(state, f"successor queued (job {job_id}) after the scheduler came back", now)
+    state["successor_pending"] = None
     return seg
+
+
+def awaits_successor(state: dict, now: float) -> bool:
+    """A running job is still trying to queue its successor (the scheduler was away): the run is
+    not to be judged by its live jobs until that job's end."""
+    pending = state.get("successor_pending")
+    return bool(pending) and now < pending.get("until", 0)
 
 
 def budget_stop(state: dict) -> dict | None:
@@ -277,9 +287,24 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
     return seg, ([Queue(after=str(job_id))] if chains and budget_stop(state) is None else [])
 
 
-def successor_failed(state: dict, error: str, now: float) -> None:
-    """Queueing the successor at begin failed: the segment still runs; its end tries again."""
-    add_event(state, f"could not queue the successor: {error}", now)
+def successor_failed(state: dict, error: str, now: float, until: float) -> None:
+    """Queueing the successor failed: the segment still runs and its job keeps trying (with
+    back-off) until `until`, its own end; the run is waiting for that, not lost."""
+    if not state.get("successor_pending"):
+        add_event(state, f"could not queue the successor: {error}; retrying", now)
+    state["successor_pending"] = {"since": (state.get("successor_pending") or {}).get("since", now),
+                                  "until": until, "error": error}
+
+
+def needs_successor(state: dict, job_id: str) -> list:
+    """What a job that keeps trying should submit now: its successor, or nothing (the run ended,
+    or a successor is queued already)."""
+    if not is_active(state) or not state.get("successor_pending"):
+        return []
+    if any(seg_state(s) == SegState.QUEUED for s in state["segments"]):
+        state["successor_pending"] = None
+        return []
+    return [Queue(after=str(job_id))]
 
 
 def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obeys_protocol: bool,
@@ -316,6 +341,7 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
 
 def queue_failed(state: dict, error: str, now: float) -> None:
     """The next segment could not be submitted: the chain stops, resumable."""
+    state["successor_pending"] = None
     stop = {"kind": Stop.QUEUE_FAILED.value, "error": error}
     _set(state, RunState.STOPPED, describe(stop, state["run_id"]), stop)
     add_event(state, state["reason"], now)

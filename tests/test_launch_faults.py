@@ -30,7 +30,8 @@ def run(home):
 def test_successor_submit_failure_does_not_stop_the_running_segment(run, monkeypatch):
     monkeypatch.setattr(LocalBackend, "submit", _failing_submit)
     end = time.time() + 100
-    k, deadline = launch.segment_begin(str(run.dir), "1", environ={"HPCRL_JOB_END_TIME": str(end)})
+    k, deadline, pending = launch.segment_begin(str(run.dir), "1", environ={"HPCRL_JOB_END_TIME": str(end)})
+    assert pending, "the job script is told to keep trying"
     assert k == 1 and deadline == pytest.approx(end - 4)  # local site: exit_margin_s 4
     state = run.state()
     assert state["state"] == RunState.RUNNING
@@ -50,5 +51,6 @@ def test_unreadable_end_time_falls_back_to_the_walltime(run, monkeypatch):
     monkeypatch.setattr(LocalBackend, "end_time", broken_end)
     monkeypatch.setattr(LocalBackend, "submit", lambda self, *a, **k: "2")
     before = time.time()
-    _, deadline = launch.segment_begin(str(run.dir), "1", environ={})
+    _, deadline, pending = launch.segment_begin(str(run.dir), "1", environ={})
+    assert not pending
     assert before + 36 - 4 - 1 <= deadline <= time.time() + 36 - 4

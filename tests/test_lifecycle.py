@@ -30,7 +30,8 @@ class Clock:
 
 
 class FakeScheduler(Backend):
-    """A TEST DOUBLE of a scheduler: jobs are dict entries; `fail_submit` makes submit raise."""
+    """A TEST DOUBLE of a scheduler: jobs are dict entries; `fail_submit` makes submit raise,
+    `away` makes every call raise (slurmctld gone for a while)."""
 
     name = "fake"
 
@@ -38,10 +39,13 @@ class FakeScheduler(Backend):
         super().__init__(site)
         self.jobs: dict[str, dict] = {}
         self.fail_submit = False
+        self.away = False
         self.polls = 0
+        self.submits = 0
 
     def submit(self, run, resolved, after=None):
-        if self.fail_submit:
+        self.submits += 1
+        if self.fail_submit or self.away:
             raise BackendError("sbatch failed: Socket timed out on send/recv operation")
         job_id = str(100 + len(self.jobs))
         self.jobs[job_id] = {"state": JobState.PENDING, "after": after, "hours": resolved["spec"]["budget"]["hours"]}
@@ -52,6 +56,8 @@ class FakeScheduler(Backend):
 
     def poll(self, jobs):
         self.polls += 1
+        if self.away:
+            raise BackendError("squeue failed: Unable to contact slurm controller (connect failure)")
         return self.query([j for _, j in jobs])
 
     def cancel(self, job_ids, run=None):
@@ -122,7 +128,8 @@ def test_segment_deadline_comes_from_the_walltime_when_the_scheduler_cannot_say(
     make_run, clock, sched = chain
     run = make_run(hours=2.0)
     job = run.state()["segments"][0]["job_id"]
-    k, deadline = launch.segment_begin(str(run.dir), job, environ={})
+    k, deadline, pending = launch.segment_begin(str(run.dir), job, environ={})
+    assert not pending
     assert k == 1 and deadline == pytest.approx(clock.now + 2 * 3600 - run.spec()["site"]["exit_margin_s"])
 
 
@@ -254,6 +261,55 @@ def test_status_reconciles_a_chain_whose_jobs_vanished_with_one_poll(chain):
     assert sched.polls == 1
     assert [states[r.id]["state"] for r in runs_] == ["STOPPED"] * 3 + ["PENDING"] * 2
     assert states["v0"]["stop"]["kind"] == Stop.NO_JOBS and "hpcrl resume v0" in states["v0"]["reason"]
+
+
+def test_scheduler_away_at_begin_the_job_keeps_trying_and_the_chain_goes_on(chain, monkeypatch):
+    make_run, clock, sched = chain
+    run = make_run("away", hours=1.0)
+    job = run.state()["segments"][0]["job_id"]
+    sched.jobs[job]["state"] = JobState.RUNNING
+    sched.away = True
+    k, deadline, pending = launch.segment_begin(str(run.dir), job, environ={})
+    assert pending and run.state()["state"] == RunState.RUNNING and run.state()["successor_pending"]
+    # status meanwhile: the scheduler cannot be asked; the run is shown as it was, with the reason
+    problems = {}
+    assert launch.refresh_many([run], problems)["away"]["state"] == RunState.RUNNING
+    assert "scheduler unreachable" in problems["away"]
+    waits = []
+
+    def fake_sleep(s):  # the scheduler comes back after three tries
+        waits.append(s)
+        clock.advance(s)
+        if len(waits) == 3:
+            sched.away = False
+
+    monkeypatch.setattr(launch, "sleep", fake_sleep)
+    assert launch.keep_successor(str(run.dir), job, until=clock.now + 3600)
+    assert waits == [2.0, 4.0, 8.0], "exponential back-off"
+    state = run.state()
+    assert [s["state"] for s in state["segments"]] == ["RUNNING", "QUEUED"] and not state["successor_pending"]
+    assert any("after the scheduler came back" in e["what"] for e in state["events"])
+    checkpoint(run, 10)
+    before = sched.submits
+    launch.segment_end(str(run.dir), job, CONTINUE, environ={})
+    assert sched.submits == before, "the end hook found the successor queued: no second one"
+    segment(run, clock, sched, COMPLETE, 20)
+    assert run.state()["state"] == RunState.COMPLETED
+
+
+def test_a_job_whose_successor_stays_unqueued_is_not_judged_lost_until_its_end(chain, monkeypatch):
+    make_run, clock, sched = chain
+    run = make_run("gone", hours=1.0)
+    job = run.state()["segments"][0]["job_id"]
+    sched.fail_submit = True
+    launch.segment_begin(str(run.dir), job, environ={})
+    sched.jobs[job]["state"] = JobState.UNKNOWN  # squeue does not list it (yet): not a lost chain
+    assert launch.refresh_many([run])["gone"]["state"] == RunState.RUNNING
+    monkeypatch.setattr(launch, "sleep", clock.advance)
+    assert not launch.keep_successor(str(run.dir), job, until=clock.now + 100)
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == Stop.QUEUE_FAILED
+    assert "hpcrl resume gone" in state["reason"] and clock.now <= run.state()["created"] + 100 + 60
 
 
 # ---------------------------------------------------------------- pure rules

@@ -407,7 +407,9 @@ class SlurmBackend(Backend):
         # Text with -j, not --json: Slurm 22.05's --json ignores -j and dumps every job on the
         # cluster (tens of MB on a large site). -t all: finished jobs too, until MinJobAge.
         argv = ["squeue", "-h", "-t", "all", "-o", "%i|%T|%r|%S|%e", "-j", ",".join(ids)]
-        result = run_command(argv, check=False)
+        # Slurm's own client gives up on an unresponsive slurmctld after ~20 s (MessageTimeout
+        # twice); the bound here is only for a client that hangs.
+        result = run_command(argv, check=False, timeout_s=45)
         if result.returncode == 0:
             return parse_squeue_text(result.stdout)
         if "Invalid job id" in result.stderr:  # none of the ids is known any more

@@ -25,8 +25,14 @@ elif [ "$begin_rc" -ne 0 ]; then
   echo "hpcrl: segment start failed (exit $begin_rc); not starting the trainer" >&2
   exit "$begin_rc"
 fi
-read -r HPCRL_SEGMENT HPCRL_DEADLINE <<<"$begin_out"
+read -r HPCRL_SEGMENT HPCRL_DEADLINE need_successor <<<"$begin_out"
 export HPCRL_SEGMENT HPCRL_DEADLINE
+if [ "${need_successor:-0}" = 1 ]; then
+  # The scheduler did not take the successor (away for a while?): keep trying, with back-off,
+  # while the trainer works; the end hook tries too.
+  echo "hpcrl: the successor could not be queued yet; retrying in the background"
+  "$hpcrl_py" -m hpcrl.cli _segment successor "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" &
+fi
 echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hostname) deadline $(date -d "@${HPCRL_DEADLINE%.*}" '+%F %T')"
 
 

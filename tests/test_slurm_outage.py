@@ -1,0 +1,77 @@
+"""The scheduler goes away for a while, for real: slurmctld of the test cluster is stopped
+(SIGSTOP: it neither answers nor forgets anything, like a hung or restarting controller) for
+longer than a segment's end hook could wait, then continued. The running segment keeps training,
+`status` says the scheduler is unreachable instead of failing (and judges nothing), and when
+slurmctld is back the chain continues and completes with every step once. (A successor that
+cannot be queued at all is retried with back-off by the job itself: tests/test_lifecycle.py
+drives that path on a fake clock.)"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import hpcrl, last_step, read_metrics, run_dir, run_state, started, wait_for_run, wait_until
+
+pytestmark = pytest.mark.slurm
+
+
+def _slurmctld_pid() -> int:
+    conf = os.environ.get("SLURM_CONF", "")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"slurmctld") and conf.encode() in cmd:
+            return int(proc.name)
+    pytest.skip(f"no slurmctld of this test cluster ({conf}) found")
+
+
+@contextlib.contextmanager
+def slurmctld_away():
+    pid = _slurmctld_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_slurmctld_away_longer_than_a_hook_waits_chain_survives(home, slurm_cluster):
+    name = "sl-away"
+    try:
+        hpcrl("submit", "--site", "testcluster", "--trainer", "smoke", "--hours", "0.0167", "--name", name,
+              "--set", "args.steps=140", "--set", "args.step_time_s=0.5", "--set", "args.save_every=1000")
+        rdir = run_dir(name)
+
+        def first_running_with_successor():
+            segs = run_state(name)["segments"]
+            return [s["state"] for s in segs] == ["RUNNING", "QUEUED"] and last_step(rdir) >= 4
+
+        wait_until(first_running_with_successor, 90, "segment 1 running with its successor queued", poll=0.5)
+        with slurmctld_away():
+            t0 = time.time()
+            row = json.loads(hpcrl("status", "--json", timeout=120).stdout)[0]
+            took = time.time() - t0
+            assert row["state"] == "RUNNING", row
+            assert row["note"] and "scheduler unreachable" in row["note"], row
+            assert took < 60, f"status took {took:.0f} s with the scheduler away"
+            before = last_step(rdir)
+            time.sleep(max(0.0, 30 - (time.time() - t0)))  # longer than the hooks' exit margin (8 s)
+            assert last_step(rdir) > before, "the running segment kept training"
+            assert run_state(name)["state"] in ("RUNNING", "RESUBMITTED"), "nothing was judged while away"
+        state = wait_for_run(name, timeout=300)
+        assert state["state"] == "COMPLETED", state
+        assert [m["step"] for m in read_metrics(rdir)] == list(range(1, 141)), "every step once"
+        ran = started(state)
+        assert len(ran) >= 2 and all(s["state"] == "CONTINUE" for s in ran[:-1])
+    finally:
+        subprocess.run(["scancel", "--name", name], capture_output=True)
