@@ -187,28 +187,24 @@ def budget_stop(state: dict) -> dict | None:
     return None
 
 
+_TEXT = {  # what a person reads for each stop reason (fields of the stop record, and run_id)
+    Stop.BUDGET: "budget spent ({used:.2f} of {total:g} h)",
+    Stop.MAX_SEGMENTS: "max_segments reached ({max})",
+    Stop.CRASH_LOOP: "no checkpoint progress in " + str(CRASH_LOOP_SEGMENTS) + " segments in a row; last error: {error}",
+    Stop.COMPLETE: "training complete",
+    Stop.CANCELLED: "cancelled by the user",
+    Stop.NO_JOBS: "no job left in the queue (ended outside hpcrl); `hpcrl resume {run_id}` continues it",
+    Stop.QUEUE_FAILED: "could not queue the next segment ({error}); `hpcrl resume {run_id}`",
+    Stop.RETRIES: ("queued resource preempted or lost {retries} times in a row (site.max_retries={limit}); "
+                   "`hpcrl resume {run_id}` tries again"),
+    Stop.BACKEND_FAILED: "{error}",
+}
+
+
 def describe(stop: dict, run_id: str = "RUN") -> str:
     """The text a person reads for a stop reason."""
-    kind = Stop(stop["kind"])
-    if kind is Stop.BUDGET:
-        return f"budget spent ({stop['used']:.2f} of {stop['total']:g} h)"
-    if kind is Stop.MAX_SEGMENTS:
-        return f"max_segments reached ({stop['max']})"
-    if kind is Stop.CRASH_LOOP:
-        return (f"no checkpoint progress in {CRASH_LOOP_SEGMENTS} segments in a row; "
-                f"last error: {stop.get('error') or '(no log output)'}")
-    if kind is Stop.COMPLETE:
-        return "training complete"
-    if kind is Stop.CANCELLED:
-        return "cancelled by the user"
-    if kind is Stop.NO_JOBS:
-        return f"no job left in the queue (ended outside hpcrl); `hpcrl resume {run_id}` continues it"
-    if kind is Stop.QUEUE_FAILED:
-        return f"could not queue the next segment ({stop.get('error')}); `hpcrl resume {run_id}`"
-    if kind is Stop.RETRIES:
-        return (f"queued resource preempted or lost {stop['retries']} times in a row "
-                f"(site.max_retries={stop['limit']}); `hpcrl resume {run_id}` tries again")
-    return stop.get("error") or kind.value
+    fields = {"error": "(no log output)", **{k: v for k, v in stop.items() if v is not None}, "run_id": run_id}
+    return _TEXT[Stop(stop["kind"])].format(**fields)
 
 
 def fix_flag(stop: dict) -> str:

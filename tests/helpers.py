@@ -190,3 +190,23 @@ def adapter_context(trainer, args: dict, run_dir, site: dict | None = None, reso
     run_dir = Path(run_dir)
     return TrainerContext(run_id=run_id, run_dir=run_dir, ckpt_dir=run_dir / "checkpoints",
                           args=trainer.validate_args(args), site=site or {}, resources=resources or {}, python=python)
+
+
+# ---------------------------------------------------------------- the fake gcloud (a TEST DOUBLE)
+
+
+FAKE_GCLOUD = ROOT / "tests" / "fake_gcloud"
+
+
+def use_fake_gcloud(monkeypatch, root: Path) -> tuple[Path, Path]:
+    """Put the fake gcloud first on PATH with its record dir and gs:// root under `root`:
+    (fake dir with calls.jsonl and scenario.json, the local directory gs:// maps to)."""
+    import os
+
+    fake, gcs = Path(root) / "fake", Path(root) / "gcs"
+    fake.mkdir(parents=True, exist_ok=True)
+    gcs.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("PATH", f"{FAKE_GCLOUD}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(fake))
+    monkeypatch.setenv("FAKE_GCS_ROOT", str(gcs))
+    return fake, gcs

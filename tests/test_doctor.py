@@ -7,14 +7,12 @@ The same checks against the real test cluster are in tests/test_slurm_doctor.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import hpcrl
+from helpers import hpcrl, use_fake_gcloud
 from hpcrl import doctor
 from hpcrl.backends.slurm import doctor_checks, parse_sinfo_nodes, parse_walltime
 from hpcrl.proc import CommandResult
@@ -119,11 +117,7 @@ def test_cli_local_site_passes_and_a_broken_one_exits_non_zero(home, tmp_path):
 
 
 def test_tpu_site_through_the_fake_gcloud(home, tmp_path, monkeypatch):
-    fake = Path(__file__).resolve().parent / "fake_gcloud"
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(tmp_path / "fake"))
-    monkeypatch.setenv("FAKE_GCS_ROOT", str(tmp_path / "gcs"))
-    (tmp_path / "fake").mkdir()
+    use_fake_gcloud(monkeypatch, tmp_path)
     (tmp_path / "gcs" / "bkt").mkdir(parents=True)
     sets = ["--site", "tpu-v5p-8", "--set", "site.project=my-proj", "--set", "site.zone=us-east5-a",
             "--set", "site.bucket=gs://bkt", "--set", f"site.outputs={tmp_path}/runs", "--trainer", "smoke"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
@@ -98,17 +97,16 @@ def test_gs_checkpoints_are_listed_by_the_hooks_and_read_from_the_cache_by_statu
     # gs:// through the fake gcloud (a test double mapping gs:// to a local dir), as on the TPU VM
     import json
 
-    fake = Path(__file__).parent / "fake_gcloud"
-    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(tmp_path))
-    monkeypatch.setenv("FAKE_GCS_ROOT", str(tmp_path / "gcs"))
+    from helpers import use_fake_gcloud
+
+    fake, _ = use_fake_gcloud(monkeypatch, tmp_path)
     run_dir = tmp_path / "r-1"
     run_dir.mkdir()
     args = MaxTextTrainer().validate_args({"load_parameters_path": "gs://b/ckpt", "base_output_directory": "gs://bucket"})
     (run_dir / "spec.json").write_text(json.dumps({"spec": {"args": args, "resources": {"nodes": 1}},
                                                    "site": {"chips_per_vm": 4}}))
     root = tmp_path / "gcs" / "bucket" / "r-1" / "checkpoints"
-    trainer, calls = MaxTextTrainer(), tmp_path / "calls.jsonl"
+    trainer, calls = MaxTextTrainer(), fake / "calls.jsonl"
     assert trainer.checkpoint_step(run_dir, run_dir / "checkpoints", remote=True) is None  # nothing there yet
     for name in ("0", "50", "100.orbax-checkpoint-tmp-1712"):
         root.joinpath(name).mkdir(parents=True)

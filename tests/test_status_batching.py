@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import hpcrl
+from helpers import hpcrl, use_fake_gcloud
 from hpcrl import cli, launch
 from hpcrl.backends import slurm
 from hpcrl.lifecycle import SegState
@@ -74,11 +73,7 @@ def test_status_of_many_live_slurm_runs_makes_a_bounded_number_of_calls(home, mo
 
 def test_status_of_a_maxtext_run_with_gs_checkpoints_never_calls_gcloud(home, tmp_path, monkeypatch):
     # gcloud is the fake (a TEST DOUBLE that records every call): status must not call it at all
-    fake = Path(__file__).resolve().parent / "fake_gcloud"
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(tmp_path / "fake"))
-    monkeypatch.setenv("FAKE_GCS_ROOT", str(tmp_path / "gcs"))
-    (tmp_path / "fake").mkdir()
+    use_fake_gcloud(monkeypatch, tmp_path)
     (tmp_path / "gcs" / "bucket" / "mx" / "checkpoints" / "40").mkdir(parents=True)
     sets = ["site.project=my-proj", "site.zone=us-east5-a", "site.bucket=gs://bucket",
             "args.load_parameters_path=gs://bucket/base", "args.base_output_directory=gs://bucket"]
