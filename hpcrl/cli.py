@@ -83,9 +83,16 @@ def cmd_status(ns) -> int:
         return launch.refresh_many(active, problems)
 
     def note(run, state):
+        if run.id in problems:
+            return problems[run.id]
+        if state["state"] in ("COMPLETED", "FAILED", "CANCELLED", "STOPPED"):
+            return None  # only an active run has a backend's word (finished rows stay cheap)
         from . import launch
 
-        return problems.get(run.id) or launch.backend_for(run).status_note(run, state)
+        try:
+            return launch.backend_for(run).status_note(run, state)
+        except (OSError, ValueError):
+            return None
 
     if ns.run is not None:
         rows = report.status_rows([runs.Run.by_id(ns.run).id], refresh_many, note)

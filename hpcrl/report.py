@@ -10,7 +10,6 @@ from pathlib import Path
 
 from . import lifecycle, protocol
 from .atomicio import atomic_write_json
-from .ckptstore import checkpoint_name
 from .errors import HpcrlError
 from .lifecycle import RunState, SegState
 from .runs import Run
@@ -26,6 +25,8 @@ def _ckpt_info(run: Run, trainer: str) -> tuple[int | None, float | None]:
     step = get_trainer(trainer).checkpoint_step(run.dir, ckpt_dir, remote=False)
     if step is None:
         return None, None
+    from .ckptstore import checkpoint_name  # only for rows read fresh (cached rows need none)
+
     path = ckpt_dir / checkpoint_name(step)  # hpcrl's own store; other trainers: the dir's own time
     try:
         return step, (path if path.exists() else ckpt_dir).stat().st_mtime

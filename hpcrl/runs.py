@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from .atomicio import atomic_write_json, atomic_write_text
@@ -23,14 +22,23 @@ from .errors import RunError, did_you_mean
 from .paths import hpcrl_home
 
 
-@dataclass(frozen=True)
 class RunLayout:
-    """Where each file of a run lives, under `root`."""
+    """Where each file of a run lives, under `root`. (A plain class: `status` imports this
+    module, and dataclasses would cost a tenth of its start-up.)"""
 
-    root: Path
+    __slots__ = ("root",)
 
-    def __post_init__(self):
-        object.__setattr__(self, "root", Path(self.root))
+    def __init__(self, root):
+        self.root = Path(root)
+
+    def __eq__(self, other):
+        return isinstance(other, RunLayout) and other.root == self.root
+
+    def __hash__(self):
+        return hash(self.root)
+
+    def __repr__(self):
+        return f"RunLayout({str(self.root)!r})"
 
     @property
     def spec(self) -> Path:  # the resolved spec and site, frozen at submit (budget: see state)

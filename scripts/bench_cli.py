@@ -34,16 +34,15 @@ def timed(argv, env) -> float:
 
 def fake_registry(home: Path, n: int) -> None:
     """n finished runs, each with a state, a checkpoint pointer and a metrics file."""
-    from hpcrl import atomicio, runs
+    from hpcrl import atomicio, lifecycle, runs
 
     os.environ["HPCRL_HOME"] = str(home)
     for i in range(n):
         run_dir = home / "runs" / f"bench-{i:04d}"
         (run_dir / "checkpoints").mkdir(parents=True)
-        state = runs.new_state(run_dir.name, {"site": {"name": "local", "scheduler": "local"},
-                                              "spec": {"trainer": "smoke", "budget": {"hours": 1, "total_hours": 10,
-                                                                                     "max_segments": 10}}})
-        state["state"] = runs.COMPLETED
+        state = lifecycle.new_state(run_dir.name, "local", "local", "smoke",
+                                    {"hours": 1, "total_hours": 10, "max_segments": 10}, time.time())
+        state["state"] = lifecycle.RunState.COMPLETED.value
         state["segments"] = [{"job_id": str(k), "k": k, "state": "CONTINUE", "started": 1e9 + k * 3600,
                               "ended": 1e9 + k * 3600 + 3500, "start_step": k * 10, "end_step": k * 10 + 10}
                              for k in range(3)]
