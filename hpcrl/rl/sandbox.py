@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import marshal
 import os
 import re
 import secrets
@@ -48,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 
 NOBODY = 65534
 _FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.S | re.I)
+MAX_CODE_CHARS = 100_000     # longer answers are not compiled in the trainer
 _RESULT_CAP = 1 << 16  # bytes of result the trainer reads from one sample, at most
 NS_FLAGS = ["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
 USERNS_FLAGS = ["--user", "--map-root-user", *NS_FLAGS]
@@ -133,6 +135,12 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
         return Result(0.0, 0, 0, "no_tests")
     if not code.strip():
         return Result(0.0, 0, len(tests), "no_code")
+    if len(code) > MAX_CODE_CHARS:
+        return Result(0.0, 0, len(tests), "syntax_error", detail=f"code longer than {MAX_CODE_CHARS} characters")
+    try:  # compiling runs nothing; a syntax error needs no process
+        compile(code, "solution.py", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
+        return Result(0.0, 0, len(tests), "syntax_error", time.monotonic() - t0, f"{type(e).__name__}: {e}"[:200])
     level = level or isolation(python)
     marker = secrets.token_hex(8)
     work = None if level != "plain" else tempfile.mkdtemp(prefix="hpcrl-sandbox-")
@@ -147,7 +155,7 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
     except OSError as e:
         return Result(0.0, 0, len(tests), "crash", detail=f"cannot start the sandbox: {e}")
     try:
-        out, timed_out = _exchange(proc, json.dumps(payload).encode(), t0 + limits.timeout_s)
+        out, timed_out = _exchange(proc, marshal.dumps(payload), t0 + limits.timeout_s)
     finally:
         _kill_all(proc, marker if level == "plain" else None)
         if work:
@@ -217,16 +225,15 @@ def _sweep(marker: str) -> int:
 def _parse(out: bytes, marker: str, total: int, timed_out: bool, seconds: float) -> Result:
     if timed_out:
         return Result(0.0, 0, total, "timeout", seconds)
+    # the line is `MARKER BITS REASON DETAIL` (BITS: one 1/0 per test), parsed as text only: the
+    # program may have written it, and nothing it writes is decoded by anything richer
     for line in out.decode("utf-8", "replace").splitlines():
-        if line.startswith(marker + " "):
-            try:
-                r = json.loads(line[len(marker) + 1:])
-                per_test = [bool(p) for p in r["per_test"]][:total]
-                passed = sum(per_test)
-                return Result(passed / total, passed, total, "ok" if passed == total else str(r["reason"])[:40],
-                              seconds, str(r.get("detail", ""))[:200], per_test)
-            except (ValueError, KeyError, TypeError):
-                break
+        parts = line.split(" ", 3)
+        if len(parts) >= 3 and parts[0] == marker and set(parts[1]) <= {"0", "1", "-"}:
+            per_test = [b == "1" for b in parts[1].strip("-")][:total]
+            passed = sum(per_test)
+            return Result(passed / total, passed, total, "ok" if passed == total else parts[2][:40],
+                          seconds, (parts[3] if len(parts) > 3 else "")[:200], per_test)
     return Result(0.0, 0, total, "crash", seconds)
 
 
@@ -251,9 +258,9 @@ def run_batch(items: list, limits: Limits = Limits(), workers: int = 0, dedupe: 
 # ------------------------------------------------------------------ the harness (runs as pid 1)
 
 HARNESS = r'''
-import os, sys, json
+import os, sys, marshal
 def main():
-    p = json.loads(sys.stdin.buffer.read())
+    p = marshal.loads(sys.stdin.buffer.read())
     out = os.dup(1)
     nul = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -278,8 +285,7 @@ def main():
     _, status = os.waitpid(pid, 0)
     if not data and os.WIFSIGNALED(status):  # CPU limit (SIGXCPU, then SIGKILL) is a timeout
         sig = os.WTERMSIG(status)
-        data = json.dumps({"per_test": [], "reason": "timeout" if sig in (9, 24) else "crash",
-                           "detail": "signal %d" % sig}).encode()
+        data = ("- %s signal %d" % ("timeout" if sig in (9, 24) else "crash", sig)).encode()
     os.write(out, p["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n")
 
 def private_mounts(p, lim):
@@ -378,7 +384,9 @@ def worker(p, lim, w):
             except BaseException as e:
                 fail("error", e)
         res["per_test"].append(ok)
-    os.write(w, json.dumps(res).encode() + b"\n")
+    bits = "".join("1" if ok else "0" for ok in res["per_test"]) or "-"
+    detail = res["detail"].replace("\n", " ").replace("\r", " ")
+    os.write(w, ("%s %s %s\n" % (bits, res["reason"], detail)).encode("utf-8", "replace"))
 
 def _same(got, want):
     norm = lambda s: [line.rstrip() for line in s.strip().splitlines()]
