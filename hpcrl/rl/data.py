@@ -196,16 +196,14 @@ def load_examples(path) -> list[dict]:
 
 CODE_TINY_PREFIX = "def f(a, b):\n    return "
 # description -> the expression it asks for; the answer space is every `x op y` over a, b, + - *
-CODE_TINY_TASKS = {
-    "add a and b": "a + b", "multiply a and b": "a * b", "subtract b from a": "a - b",
-    "subtract a from b": "b - a", "double a": "a + a", "square b": "b * b",
-}
+# (the word comes last in the prompt, next to the answer, so a 1-2 layer model reads it easily)
+CODE_TINY_TASKS = {"sum": "a + b", "product": "a * b", "difference": "a - b", "double": "a + a", "square": "a * a"}
 CODE_TINY_ANSWERS = [f"{x} {op} {y}" for x in "ab" for op in "+-*" for y in "ab"]
 _CODE_TINY_INPUTS = ((3, 5), (7, 2), (4, 4))  # distinguish every pair of distinct answers
 
 
 def code_tiny_rows(n_train: int, n_test: int, seed: int = 0):
-    """(train, test) rows: 'def f ( a , b ) : # multiply a and b return' -> 'a * b', scored by
+    """(train, test) rows: 'def f ( a , b ) : return # product' -> 'a * b', scored by
     running f against assert tests in the sandbox. The test split holds each task once per row
     drawn, so evaluation covers every task."""
     rng = random.Random(seed)
@@ -218,7 +216,7 @@ def code_tiny_rows(n_train: int, n_test: int, seed: int = 0):
 def _code_tiny_row(task: str, split: str, index: int) -> dict:
     expr = CODE_TINY_TASKS[task]
     tests = [f"assert f({a}, {b}) == {eval(expr, {'a': a, 'b': b})}" for a, b in _CODE_TINY_INPUTS]  # our own expr
-    return code_row(f"def f ( a , b ) : # {task} return", tests, split, index, prefix=CODE_TINY_PREFIX,
+    return code_row(f"def f ( a , b ) : return # {task}", tests, split, index, prefix=CODE_TINY_PREFIX,
                     extra={"task": task, "format_targets": CODE_TINY_ANSWERS})
 
 

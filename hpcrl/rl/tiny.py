@@ -22,7 +22,7 @@ WORDS = ("numbers target answer using the create an equation that equals you can
 
 
 # code-tiny's words, after the numbers so countdown's token ids stay what they were
-CODE_WORDS = "def f a b return add multiply subtract from double square".split()
+CODE_WORDS = "def f a b return sum product difference double square".split()
 
 
 def build_tokenizer(max_int: int = 1000, vocab: str = "countdown"):
