@@ -281,4 +281,10 @@ class RLTrainer:
         self.log.write({"step": self.step, "phase": phase, **result})
         say(f"{phase} step {self.step}: reward_mean={result['eval/reward_mean']:.3f} "
             f"accuracy={result['eval/accuracy']:.3f} n={len(scores)} ({time.monotonic() - t0:.1f} s)")
+        if phase in ("eval_before", "eval_sft"):  # the later one (after the warm-up) is what RL starts from
+            self.before_rl = result
+        elif phase == "eval_after" and getattr(self, "before_rl", None):
+            b = self.before_rl
+            say(f"pass rate (accuracy) before RL -> after: {b['eval/accuracy']:.3f} -> {result['eval/accuracy']:.3f}; "
+                f"reward_mean {b['eval/reward_mean']:.3f} -> {result['eval/reward_mean']:.3f}")
         return result
