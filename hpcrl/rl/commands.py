@@ -35,6 +35,25 @@ def _data_parser() -> argparse.ArgumentParser:
     gs.add_argument("--from", dest="src", required=True, help="GSM8K file with 'question' and 'answer' columns")
     gs.add_argument("--out", required=True, help="output directory")
     gs.add_argument("--split", default=None, help="output name: train or test (default: from the file name)")
+    cv = sub.add_parser("convert", help="your .jsonl/.json/.csv/.parquet rows -> the trainer's (and verl's) schema")
+    cv.add_argument("--from", dest="src", required=True, help="input file (.jsonl, .json, .csv, .parquet)")
+    cv.add_argument("--prompt-field", required=True, help="field with the prompt text (a.b for a nested one)")
+    cv.add_argument("--answer-field", default=None, help="field with the reference answer (ground_truth)")
+    cv.add_argument("--tests-field", default=None,
+                    help="field with the tests (list of asserts / {input, output}): data_source 'code', sandboxed reward")
+    cv.add_argument("--system", default=None, help="a system message put before every prompt")
+    cv.add_argument("--template", default=None,
+                    help="prompt text with {prompt} and {field} placeholders, e.g. 'Translate to Python: {prompt}'")
+    cv.add_argument("--data-source", default=None, help="data_source of the rows (default: code with tests, else custom)")
+    cv.add_argument("--out", required=True, help="output directory")
+    cv.add_argument("--split", default="train", help="output name, SPLIT.parquet (default: train)")
+    cv.add_argument("--test-rows", type=int, default=0, help="also hold out this many random rows as test.parquet")
+    cv.add_argument("--seed", type=int, default=0, help="seed of the --test-rows draw")
+    ct = sub.add_parser("code-tiny", help="the code-tiny demo's rows (train.parquet, test.parquet)")
+    ct.add_argument("--out", required=True, help="output directory")
+    ct.add_argument("--train", type=int, default=512)
+    ct.add_argument("--test", type=int, default=24)
+    ct.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -43,6 +62,16 @@ def cmd_data(argv: list[str]) -> int:
     from . import data
 
     out = Path(ns.out).expanduser()
+    if ns.dataset == "convert":
+        return _convert(ns, out)
+    if ns.dataset == "code-tiny":
+        if ns.train < 1 or ns.test < 1:
+            raise HpcrlError("hpcrl data code-tiny: --train and --test must be >= 1")
+        train, test = data.code_tiny_rows(ns.train, ns.test, ns.seed)
+        data.write_parquet(train, out / "train.parquet")
+        data.write_parquet(test, out / "test.parquet")
+        print(f"wrote {len(train)} rows to {out / 'train.parquet'} and {len(test)} rows to {out / 'test.parquet'}")
+        return 0
     if ns.dataset == "countdown":
         _check_countdown(ns)
         try:
@@ -70,6 +99,35 @@ def cmd_data(argv: list[str]) -> int:
     return 0
 
 
+def _convert(ns, out: Path) -> int:
+    from . import convert, data
+
+    src = Path(ns.src).expanduser()
+    if ns.test_rows < 0:
+        raise HpcrlError("hpcrl data convert: --test-rows must be >= 0")
+    if not ns.split or not all(c.isalnum() or c in "_-" for c in ns.split):
+        raise HpcrlError(f"hpcrl data convert: --split {ns.split!r}: use letters, digits, _ or -")
+    try:
+        records = convert.read_any(src)
+        rows, dropped = convert.convert(records, ns.prompt_field, ns.answer_field, ns.tests_field, ns.system,
+                                        ns.template, ns.split, ns.data_source)
+    except convert.ConvertError as e:
+        raise HpcrlError(f"hpcrl data convert: {e}") from None
+    if not rows:
+        why = "; ".join(f"{n} {w}" for w, n in dropped.most_common(3))
+        raise HpcrlError(f"hpcrl data convert: every row of {src} was dropped ({why})")
+    if ns.test_rows >= len(rows):
+        raise HpcrlError(f"hpcrl data convert: --test-rows {ns.test_rows} leaves no training rows of {len(rows)}")
+    parts = dict(zip(("train", "test"), convert.split_rows(rows, ns.test_rows, ns.seed))) if ns.test_rows \
+        else {ns.split: rows}
+    written = {}
+    for name, part in parts.items():
+        data.write_parquet(part, out / f"{name}.parquet")
+        written[out / f"{name}.parquet"] = part
+    print(convert.report(src, len(records), written, dropped))
+    return 0
+
+
 def _check_countdown(ns) -> None:
     if ns.train < 0 or ns.test < 0:
         raise HpcrlError("hpcrl data countdown: --train and --test must be >= 0")
@@ -90,6 +148,10 @@ def cmd_model(argv: list[str]) -> int:
     t.add_argument("--heads", type=int, default=4)
     t.add_argument("--max-int", type=int, default=1000, help="largest whole number that is one token")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--vocab", choices=("countdown", "code"), default="countdown",
+                   help="words of the vocabulary: countdown's, or countdown's plus code-tiny's")
+    t.add_argument("--reward-head", action="store_true",
+                   help="a sequence-classification reward model (one score) instead of a causal LM")
     ns = p.parse_args(argv)
     if ns.hidden_size < 8 or ns.layers < 1 or ns.heads < 1 or ns.hidden_size % ns.heads:
         raise HpcrlError(f"hpcrl model tiny: --hidden-size ({ns.hidden_size}) must be >= 8 and divisible by "
@@ -99,8 +161,10 @@ def cmd_model(argv: list[str]) -> int:
     from .tiny import build_tiny_model
 
     out = build_tiny_model(Path(ns.out).expanduser(), hidden_size=ns.hidden_size, layers=ns.layers,
-                           heads=ns.heads, max_int=ns.max_int, seed=ns.seed)
-    print(f"wrote a tiny Llama (hidden {ns.hidden_size}, {ns.layers} layers) and its tokenizer to {out}")
+                           heads=ns.heads, max_int=ns.max_int, seed=ns.seed, vocab=ns.vocab,
+                           reward_head=ns.reward_head)
+    kind = "reward model" if ns.reward_head else "Llama"
+    print(f"wrote a tiny {kind} (hidden {ns.hidden_size}, {ns.layers} layers) and its tokenizer to {out}")
     return 0
 
 

@@ -190,3 +190,45 @@ def load_examples(path) -> list[dict]:
     if not out:
         raise ValueError(f"{path} has no rows")
     return out
+
+
+# ------------------------------------------------------------------ code-tiny (the CPU demo of the code reward)
+
+CODE_TINY_PREFIX = "def f(a, b):\n    return "
+# description -> the expression it asks for; the answer space is every `x op y` over a, b, + - *
+# (the word comes last in the prompt, next to the answer, so a 1-2 layer model reads it easily)
+CODE_TINY_TASKS = {"sum": "a + b", "product": "a * b", "difference": "a - b", "double": "a + a", "square": "a * a"}
+CODE_TINY_ANSWERS = [f"{x} {op} {y}" for x in "ab" for op in "+-*" for y in "ab"]
+_CODE_TINY_INPUTS = ((3, 5), (7, 2), (4, 4))  # distinguish every pair of distinct answers
+
+
+def code_tiny_rows(n_train: int, n_test: int, seed: int = 0):
+    """(train, test) rows: 'def f ( a , b ) : return # product' -> 'a * b', scored by
+    running f against assert tests in the sandbox. The test split holds each task once per row
+    drawn, so evaluation covers every task."""
+    rng = random.Random(seed)
+    tasks = list(CODE_TINY_TASKS)
+    train = [_code_tiny_row(rng.choice(tasks), "train", i) for i in range(n_train)]
+    test = [_code_tiny_row(tasks[i % len(tasks)], "test", i) for i in range(n_test)]
+    return train, test
+
+
+def _code_tiny_row(task: str, split: str, index: int) -> dict:
+    expr = CODE_TINY_TASKS[task]
+    tests = [f"assert f({a}, {b}) == {eval(expr, {'a': a, 'b': b})}" for a, b in _CODE_TINY_INPUTS]  # our own expr
+    return code_row(f"def f ( a , b ) : return # {task}", tests, split, index, prefix=CODE_TINY_PREFIX,
+                    extra={"task": task, "format_targets": CODE_TINY_ANSWERS})
+
+
+def code_row(prompt: str, tests: list, split: str, index: int, prefix: str = "", system: str | None = None,
+             extra: dict | None = None) -> dict:
+    """A row for the code reward. ground_truth is a JSON string ({"tests": [...], "prefix": ...}) so
+    assert strings and stdin/stdout pairs can mix in one parquet column; the reward decodes it."""
+    gt = {"tests": tests, **({"prefix": prefix} if prefix else {})}
+    return {"data_source": "code", "prompt": _messages(prompt, system), "ability": "code",
+            "reward_model": {"style": "rule", "ground_truth": json.dumps(gt)},
+            "extra_info": {"split": split, "index": index, **(extra or {})}}
+
+
+def _messages(prompt: str, system: str | None) -> list:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

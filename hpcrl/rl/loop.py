@@ -10,7 +10,7 @@ import torch
 
 from .. import protocol
 from ..schemas.builtin import ALGORITHMS
-from . import algos, checkpoint, data, metrics, policy, prepare, rewards, warmup
+from . import algos, checkpoint, data, metrics, policy, prepare, reward_mix, warmup
 from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler
 
@@ -32,7 +32,7 @@ class RLTrainer:
         enc = dict(chat_template=cfg["chat_template"], max_prompt_length=cfg["max_prompt_length"])
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
         self.val_ids = policy.encode_prompts(self.tok, self.val_ex[:cfg["eval_size"]], **enc)
-        self.reward_fn = rewards.load_reward(cfg["reward"])
+        self.reward = reward_mix.Reward(cfg, self.device)
         # fused: one kernel over all parameters instead of a loop of small ones (~12% of a tiny step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
                                            fused=self.device.type in ("cpu", "cuda"))
@@ -188,8 +188,10 @@ class RLTrainer:
         idx = self.sampler.next(cfg["batch_size"])
         batch = self.rollout.generate([self.train_ids[i] for i in idx], n=cfg["group_size"])
         examples = [self.train_ex[i] for i in idx for _ in range(cfg["group_size"])]
-        scores = torch.tensor([float(self.reward_fn(ex["data_source"], text, ex["ground_truth"], ex["extra_info"]))
-                               for ex, text in zip(examples, batch.texts)])
+        t_reward = time.monotonic()
+        values, reward_metrics = self.reward(examples, batch.texts)
+        scores = torch.tensor(values, dtype=torch.float32)
+        reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
         adv = algos.group_advantages(scores, cfg["group_size"], scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
         stats = self._update(batch, adv.to(self.device))
         self.rollout.sync_weights(self.model)
@@ -197,7 +199,8 @@ class RLTrainer:
         return {"phase": "train", "reward_mean": round(scores.mean().item(), 6),
                 "reward_std": round(scores.std().item() if len(scores) > 1 else 0.0, 6),
                 "solve_rate": round((scores >= 1.0).float().mean().item(), 6),
-                "response_len_mean": round(ntok / len(scores), 3), "lr": lr, "_tokens": ntok, **stats}
+                "response_len_mean": round(ntok / len(scores), 3), "lr": lr, "_tokens": ntok, **stats,
+                **reward_metrics}
 
     def _update(self, batch, adv) -> dict:
         """ppo_epochs passes of mini_batches optimizer steps over one rollout batch."""
@@ -259,7 +262,7 @@ class RLTrainer:
     def _evaluate(self, phase: str) -> dict | None:
         """Greedy decoding on the val split; None when a stop request cut it short."""
         t0 = time.monotonic()
-        scores = []
+        scores, extra = [], {}
         bs = self.cfg["eval_batch_size"]
         with torch.random.fork_rng():  # evaluation must not change the training's random stream
             for start in range(0, len(self.val_ids), bs):
@@ -267,13 +270,21 @@ class RLTrainer:
                     say(f"{phase} abandoned: stop requested ({self.stop.reason or 'deadline'})")
                     return None
                 batch = self.rollout.generate(self.val_ids[start:start + bs], n=1, greedy=True)
-                for ex, text in zip(self.val_ex[start:start + bs], batch.texts):
-                    scores.append(float(self.reward_fn(ex["data_source"], text, ex["ground_truth"], ex["extra_info"])))
+                values, metrics_ = self.reward(self.val_ex[start:start + bs], batch.texts)
+                scores.extend(values)
+                for k, v in metrics_.items():  # weighted by batch size into a mean over the split
+                    extra[k] = extra.get(k, 0.0) + v * len(values)
         n = max(1, len(scores))
         result = {"eval/reward_mean": round(sum(scores) / n, 6),
                   "eval/accuracy": round(sum(s >= 1.0 for s in scores) / n, 6), "eval/n": len(scores),
-                  "peak_rss_mb": metrics.peak_rss_mb()}
+                  "peak_rss_mb": metrics.peak_rss_mb(), **{f"eval/{k}": round(v / n, 6) for k, v in extra.items()}}
         self.log.write({"step": self.step, "phase": phase, **result})
         say(f"{phase} step {self.step}: reward_mean={result['eval/reward_mean']:.3f} "
             f"accuracy={result['eval/accuracy']:.3f} n={len(scores)} ({time.monotonic() - t0:.1f} s)")
+        if phase in ("eval_before", "eval_sft"):  # the later one (after the warm-up) is what RL starts from
+            self.before_rl = result
+        elif phase == "eval_after" and getattr(self, "before_rl", None):
+            b = self.before_rl
+            say(f"pass rate (accuracy) before RL -> after: {b['eval/accuracy']:.3f} -> {result['eval/accuracy']:.3f}; "
+                f"reward_mean {b['eval/reward_mean']:.3f} -> {result['eval/reward_mean']:.3f}")
         return result

@@ -28,7 +28,8 @@ def prepare_model(cfg: dict, run_dir: Path) -> Path:
         from .tiny import build_tiny_model
 
         build_tiny_model(path, hidden_size=cfg["tiny_hidden_size"], layers=cfg["tiny_layers"],
-                         heads=cfg["tiny_heads"], max_int=cfg["tiny_max_int"], seed=cfg["seed"])
+                         heads=cfg["tiny_heads"], max_int=cfg["tiny_max_int"], seed=cfg["seed"],
+                         vocab=cfg["tiny_vocab"])
     return path
 
 
@@ -43,6 +44,12 @@ def prepare_data(cfg: dict, run_dir: Path) -> tuple[Path, Path]:
         return train, val
     out = run_dir / "data"
     train, val = out / "train.parquet", out / "test.parquet"
+    if not (train.is_file() and val.is_file()) and cfg["data"] == "code-tiny":
+        from .data import code_tiny_rows, write_parquet
+
+        rows_train, rows_test = code_tiny_rows(cfg["code_tiny_train_size"], cfg["code_tiny_test_size"], cfg["seed"])
+        write_parquet(rows_test, val)
+        write_parquet(rows_train, train)
     if not (train.is_file() and val.is_file()):
         from .data import countdown_rows, write_parquet
 

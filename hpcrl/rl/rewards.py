@@ -1,10 +1,17 @@
 """Rule rewards with verl's custom-reward signature, plus loading a user's reward function.
 
-`compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float` is what verl
-calls for `reward.custom_reward_function`, so the same file serves the built-in trainer and verl:
+The reward interface (docs/adapt.md), the same for the built-in trainer and verl:
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+
+A dict has "score" (the reward) and any other keys: numbers are averaged per step into
+metrics.jsonl as reward/<key>, strings (e.g. "reason") counted as reward/<key>/<value> shares.
+A function whose parameters are the plural names (data_sources, solution_strs, ground_truths,
+extra_infos) is a batch reward: called once per step with lists, it returns a list (verl's
+`reward_model.reward_manager=batch` calls the same signature). verl reaches it as
 
     reward.custom_reward_function.path=<site-packages>/hpcrl/rl/rewards.py
-    reward.custom_reward_function.name=compute_score
+    reward.custom_reward_function.name=compute_score        (or compute_score_batch)
 
 This module is stdlib only on purpose: verl imports it inside its reward workers.
 """
@@ -14,6 +21,8 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
+import json
 import math
 import operator
 import re
@@ -120,16 +129,84 @@ def gsm8k_score(solution_str: str, ground_truth, method: str = "strict", format_
     return score if answer == str(ground_truth) else format_score
 
 
+# ------------------------------------------------------------------ code (sandboxed tests)
+
+CODE_FORMAT_SCORE = 0.0  # share of the score for a fenced ```python block (0: tests only)
+
+
+def _code_job(solution_str: str, ground_truth):
+    """(program, tests) of one sample: the extracted code after the row's optional `prefix`."""
+    from . import sandbox
+
+    if isinstance(ground_truth, str):
+        ground_truth = json.loads(ground_truth)
+    if not isinstance(ground_truth, dict) or not isinstance(ground_truth.get("tests"), list):
+        raise ValueError("code reward: ground_truth must be {'tests': [...]} (assert strings or "
+                         "{'input', 'output'} pairs), optionally with 'prefix'")
+    code = sandbox.extract_code(solution_str)
+    return (ground_truth.get("prefix") or "") + code, list(ground_truth["tests"])
+
+
+def _code_result(res, solution_str: str, format_score: float) -> dict:
+    from . import sandbox
+
+    fmt = format_score if format_score and sandbox.has_fenced_block(solution_str) else 0.0
+    return {"score": round(fmt + (1.0 - format_score) * res.score, 6), "pass_rate": res.score,
+            "all_passed": float(res.passed == res.total), "reason": res.reason}
+
+
+def code_score(solution_str: str, ground_truth, format_score: float = CODE_FORMAT_SCORE, limits=None) -> dict:
+    """Run the answer's code against ground_truth['tests'] in the sandbox (hpcrl/rl/sandbox.py)."""
+    from . import sandbox
+
+    code, tests = _code_job(solution_str, ground_truth)
+    return _code_result(sandbox.run_tests(code, tests, limits or sandbox.Limits()), solution_str, format_score)
+
+
+def code_score_batch(solution_strs, ground_truths, format_score: float = CODE_FORMAT_SCORE, limits=None,
+                     workers: int = 0, dedupe: bool = True) -> list:
+    """code_score over a batch, run by the sandbox's bounded pool."""
+    from . import sandbox
+
+    jobs = [_code_job(s, gt) for s, gt in zip(solution_strs, ground_truths)]
+    results = sandbox.run_batch(jobs, limits or sandbox.Limits(), workers, dedupe)
+    return [_code_result(r, s, format_score) for r, s in zip(results, solution_strs)]
+
+
 # ------------------------------------------------------------------ dispatch
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """verl's custom-reward entry point for the rule rewards hpcrl knows."""
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's custom-reward entry point for the rule rewards hpcrl knows (a dict for code)."""
     if data_source == "countdown" or str(data_source).startswith("countdown"):
         return countdown_score(solution_str, ground_truth)
     if data_source in ("openai/gsm8k", "gsm8k"):
         return gsm8k_score(solution_str, ground_truth)
+    if data_source == "code" or str(data_source).startswith("code"):
+        return code_score(solution_str, ground_truth)
     raise NotImplementedError(f"no built-in reward for data_source {data_source!r}; "
                               f"set args.reward to module:function or /path/file.py:function")
+
+
+def compute_score_batch(data_sources, solution_strs, ground_truths, extra_infos=None) -> list:
+    """The batch form of compute_score: code rows go to the sandbox's pool together."""
+    extra_infos = extra_infos or [None] * len(solution_strs)
+    out = [None] * len(solution_strs)
+    code = [i for i, ds in enumerate(data_sources) if str(ds).startswith("code")]
+    for i, res in zip(code, code_score_batch([solution_strs[i] for i in code], [ground_truths[i] for i in code])):
+        out[i] = res
+    for i, ds in enumerate(data_sources):
+        if out[i] is None:
+            out[i] = compute_score(ds, solution_strs[i], ground_truths[i], extra_infos[i])
+    return out
+
+
+def is_batch_reward(fn) -> bool:
+    """True for a function taking verl's batch parameter names (solution_strs, ...)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "solution_strs" in params
 
 
 def gsm8k_flexible(data_source, solution_str, ground_truth, extra_info=None) -> float:
@@ -137,7 +214,9 @@ def gsm8k_flexible(data_source, solution_str, ground_truth, extra_info=None) -> 
 
 
 BUILTIN = {
-    "auto": compute_score,
+    "auto": compute_score_batch,
+    "code": lambda data_sources, solution_strs, ground_truths, extra_infos=None: code_score_batch(
+        solution_strs, ground_truths),
     "countdown": lambda ds, s, gt, extra_info=None: countdown_score(s, gt),
     "gsm8k": lambda ds, s, gt, extra_info=None: gsm8k_score(s, gt),
     "gsm8k_flexible": gsm8k_flexible,
@@ -145,7 +224,7 @@ BUILTIN = {
 
 
 def load_reward(spec: str):
-    """A reward callable from 'auto' | 'countdown' | 'gsm8k' | 'gsm8k_flexible' |
+    """A reward callable from 'auto' | 'countdown' | 'gsm8k' | 'gsm8k_flexible' | 'code' |
     'package.module:function' | '/path/to/file.py[:function]' (function defaults to compute_score)."""
     if spec in BUILTIN:
         return BUILTIN[spec]

@@ -21,11 +21,19 @@ WORDS = ("numbers target answer using the create an equation that equals you can
          "process mind then provides with let me solve this step by think output after s").split()
 
 
-def build_tokenizer(max_int: int = 1000):
+# code-tiny's words, after the numbers so countdown's token ids stay what they were
+CODE_WORDS = "def f a b return sum product difference double square".split()
+
+
+def build_tokenizer(max_int: int = 1000, vocab: str = "countdown"):
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab_list = SPECIAL + MARKERS + PUNCT + sorted(set(WORDS)) + [str(i) for i in range(max_int + 1)]
+    if vocab == "code":
+        vocab_list += CODE_WORDS
+    elif vocab != "countdown":
+        raise ValueError(f"vocab must be 'countdown' or 'code', not {vocab!r}")
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(vocab_list))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = None
@@ -42,26 +50,28 @@ def build_tokenizer(max_int: int = 1000):
 
 
 def build_tiny_model(out_dir, hidden_size: int = 128, layers: int = 2, heads: int = 4,
-                     max_int: int = 1000, seed: int = 0, max_positions: int = 256) -> Path:
-    """Write tokenizer + randomly initialised LlamaForCausalLM to out_dir (atomically)."""
+                     max_int: int = 1000, seed: int = 0, max_positions: int = 256, vocab: str = "countdown",
+                     reward_head: bool = False) -> Path:
+    """Write tokenizer + randomly initialised LlamaForCausalLM to out_dir (atomically); with
+    `reward_head`, a LlamaForSequenceClassification with one label (a tiny reward model)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(max_int)
+    tokenizer = build_tokenizer(max_int, vocab)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=max_positions, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=False, num_labels=1,
     )
     with torch.random.fork_rng():  # deterministic weights without disturbing the caller's RNG
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = (LlamaForSequenceClassification if reward_head else LlamaForCausalLM)(config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

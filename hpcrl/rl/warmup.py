@@ -16,8 +16,15 @@ from .policy import left_pad, response_logprobs
 
 
 def format_target(example: dict, rng: random.Random, ops: str = "+-*/") -> str:
+    """A response in the task's format, chosen without looking at the answer: for countdown built
+    here; for any other data, one of the row's extra_info.format_targets (a dataset's own list of
+    well-formed answers, right or wrong, e.g. every expression of code-tiny's answer space)."""
+    choices = (example.get("extra_info") or {}).get("format_targets")
     if example["data_source"] != "countdown":
-        raise ValueError("sft_steps > 0 is only defined for countdown data (a format-only warm-up)")
+        if not choices:
+            raise ValueError("sft_steps > 0 needs countdown data or rows with extra_info.format_targets "
+                             "(a format-only warm-up)")
+        return rng.choice(list(choices))
     numbers = list(example["ground_truth"]["numbers"])
     rng.shuffle(numbers)
     expr = str(numbers[0])

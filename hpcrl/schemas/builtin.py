@@ -9,6 +9,7 @@ needs a ratio or aggregation that does not exist yet). Adding an argument: one r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from . import Bool, Choice, Float, Int, Schema, Str, divisors, fail
@@ -87,6 +88,17 @@ def _check_countdown(a: dict, where) -> None:
              f"use some of the characters {COUNTDOWN_OPS}, each once")
 
 
+def _check_reward(a: dict, where) -> None:
+    for part in re.split(r"\s\+\s", a["reward"]):
+        m = re.match(r"^\s*(?:[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?\s*\*\s*)?(\S.*?)\s*$", part)
+        if not m:
+            fail(where("reward"), a["reward"], f"has an empty or unreadable term {part!r}",
+                 "write terms [WEIGHT*]NAME joined by ' + ', e.g. 'code + 0.1*length'")
+        name = m.group(1)
+        if name.startswith("model:") and not name[len("model:"):].strip():
+            fail(where("reward"), a["reward"], "names model: without a path", "write model:/path/to/reward_model")
+
+
 def _check_tiny(a: dict, where) -> None:
     if a["model"] == "tiny" and a["tiny_hidden_size"] % a["tiny_heads"]:
         fail(where("tiny_heads"), a["tiny_heads"], f"does not divide tiny_hidden_size = {a['tiny_hidden_size']}",
@@ -100,8 +112,9 @@ SCHEMA = Schema("builtin", [
     Int("tiny_layers", 2, "tiny model only: depth", ge=1),
     Int("tiny_heads", 4, "tiny model only: attention heads (divides tiny_hidden_size)", ge=1),
     Int("tiny_max_int", 1000, "tiny model only: largest whole number that is one token", ge=1),
-    Choice("data", "countdown", ("countdown", "files"),
-           "countdown: generate into RUN_DIR/data; files: use train_files/val_files"),
+    Choice("tiny_vocab", "countdown", ("countdown", "code"), "tiny model only: countdown's words, or plus code-tiny's"),
+    Choice("data", "countdown", ("countdown", "code-tiny", "files"),
+           "countdown / code-tiny: generate into RUN_DIR/data; files: use train_files/val_files"),
     Str("train_files", None, "parquet (verl schema) when data: files", nullable=True),
     Str("val_files", None, "parquet of the val split when data: files (null: train_files)", nullable=True),
     Int("countdown_train_size", 4096, "generated training problems", ge=1),
@@ -111,14 +124,27 @@ SCHEMA = Schema("builtin", [
     Int("countdown_max_number", 99, "largest number in a problem", ge=2),
     Int("countdown_max_target", 999, "largest target", ge=1),
     Str("countdown_ops", COUNTDOWN_OPS, "operators problems may use (some of + - * /)", nonempty=True),
+    Int("code_tiny_train_size", 512, "generated code-tiny training rows", ge=1),
+    Int("code_tiny_test_size", 24, "generated code-tiny test rows (each task equally often)", ge=1),
     Bool("countdown_test_disjoint", True,
          "test problems never seen in training (false: independent draws, as TinyZero)"),
     Choice("prompt_template", "base", ("base", "tiny"),
            "countdown prompt: base (TinyZero's text) or tiny (for the word-level model)"),
     Choice("chat_template", "auto", ("auto", True, False),
            "auto: use the tokenizer's chat template when it has one; true / false to force"),
-    Str("reward", "auto", "auto (by data_source) | countdown | gsm8k | gsm8k_flexible | module:function | "
-        "/file.py:function", nonempty=True),
+    Str("reward", "auto", "terms [WEIGHT*]NAME joined by ' + ', NAME: auto (by data_source) | countdown | gsm8k | "
+        "gsm8k_flexible | code | length | model:PATH | module:function | /file.py:function "
+        "(e.g. 'code + 0.1*length'; docs/adapt.md)", nonempty=True),
+    # --- the code reward (sandbox: hpcrl/rl/sandbox.py)
+    Float("code_timeout_s", 5.0, "wall-clock limit of one sample's tests", gt=0, le=600),
+    Int("code_memory_mb", 512, "address-space limit of one sample", ge=64),
+    Int("code_workers", 0, "samples run at once; 0: one per CPU", ge=0),
+    Float("code_format_score", 0.0, "share of the score for a fenced ```python block", ge=0, le=1),
+    Bool("code_dedupe", True, "identical (code, tests) in one batch run once and share the result"),
+    Int("length_norm_chars", 1000, "the 'length' term is -response chars / this", ge=1),
+    Int("reward_model_batch_size", 16, "responses per reward-model forward (model:PATH)", ge=1),
+    Choice("reward_model_normalize", "none", ("none", "batch", "sigmoid"),
+           "model:PATH scores as they are, z-scored over the batch, or squashed to (0, 1)"),
     # --- algorithm
     Choice("algorithm", "grpo", ALGORITHMS, "policy-gradient algorithm (hpcrl/schemas/builtin.py ALGORITHMS)"),
     Choice("loss_agg", None, LOSS_AGGS, "null: the algorithm's own (grpo token-mean, gspo seq-mean-token-mean, "
@@ -163,4 +189,4 @@ SCHEMA = Schema("builtin", [
     Int("threads", 0, "torch CPU threads; 0: leave torch's default", ge=0),
     Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",
         nullable=True),
-], checks=[_check_data_files, _check_batches, _check_countdown, _check_tiny])
+], checks=[_check_data_files, _check_batches, _check_countdown, _check_tiny, _check_reward])

@@ -130,7 +130,8 @@ def test_trainer_rejects_bad_config_with_one_line(tmp_path):
     assert res.stderr.strip().count("\n") == 0 and "args.algorithm" in res.stderr
 
 
-@pytest.mark.parametrize("name", ["countdown-tiny", "countdown-grpo", "gsm8k-grpo", "gsm8k-gspo"])
+@pytest.mark.parametrize("name", ["countdown-tiny", "countdown-grpo", "gsm8k-grpo", "gsm8k-gspo", "code-tiny",
+                                  "mbpp-code-grpo"])
 def test_recipes_validate_against_both_schemas(name):
     import yaml
 

@@ -1,0 +1,164 @@
+"""The trainer's reward for one batch: `args.reward` parsed into weighted named terms.
+
+    reward: code                              # tests passed, in the sandbox
+    reward: "code + 0.1*length"               # plus a length penalty (-chars / length_norm_chars)
+    reward: "model:/path/to/rm"               # a sequence-classification reward model
+    reward: "0.5*auto + 0.5*model:/p/rm"      # weighted sum of any of them
+
+A term is `[WEIGHT*]NAME`, terms are joined by ' + ' (spaces around the plus). NAME is one of
+auto | countdown | gsm8k | gsm8k_flexible | code | length | model:PATH | module:function |
+/file.py[:function] (the reward interface: hpcrl/rl/rewards.py, docs/adapt.md).
+Every term's per-sample values are logged as reward/<name>; dict results' extra keys too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from . import rewards
+
+_TERM_RE = re.compile(r"^\s*(?:(?P<w>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*\*\s*)?(?P<name>\S.*?)\s*$")
+
+
+def parse_terms(spec: str) -> list[tuple[float, str]]:
+    """[(weight, name), ...] of a reward spec; ValueError names the bad term."""
+    terms = []
+    for part in re.split(r"\s\+\s", spec):
+        m = _TERM_RE.match(part)
+        if not m:
+            raise ValueError(f"args.reward: cannot read the term {part!r}; write [WEIGHT*]NAME joined by ' + '")
+        terms.append((float(m["w"]) if m["w"] else 1.0, m["name"]))
+    return terms
+
+
+class Reward:
+    """Callable on (examples, texts) -> (scores, metrics); examples as data.load_examples gives them."""
+
+    def __init__(self, cfg: dict, device=None):
+        self.cfg = cfg
+        self.terms = [(w, name, self._make(name, device)) for w, name in parse_terms(cfg["reward"])]
+
+    def _make(self, name: str, device):
+        if name == "length":
+            norm = float(self.cfg["length_norm_chars"])
+            return lambda examples, texts: [-len(t) / norm for t in texts]
+        if name.startswith("model:"):
+            return ModelReward(name[len("model:"):], device, self.cfg["reward_model_batch_size"],
+                               self.cfg["reward_model_normalize"])
+        if name in ("code", "auto"):
+            return self._code_or_auto(name)
+        return _call_any(rewards.load_reward(name))
+
+    def _code_or_auto(self, name: str):
+        from .sandbox import Limits
+
+        cfg = self.cfg
+        limits = Limits(timeout_s=cfg["code_timeout_s"], cpu_s=max(1, int(cfg["code_timeout_s"]) + 1),
+                        memory_mb=cfg["code_memory_mb"])
+        auto = _call_any(rewards.compute_score_batch)
+
+        def score(examples, texts):
+            if name == "auto" and not all(str(e["data_source"]).startswith("code") for e in examples):
+                return auto(examples, texts)
+            return rewards.code_score_batch(texts, [e["ground_truth"] for e in examples], cfg["code_format_score"],
+                                            limits, cfg["code_workers"], cfg["code_dedupe"])
+        return score
+
+    def __call__(self, examples: list, texts: list) -> tuple[list, dict]:
+        total = [0.0] * len(texts)
+        metrics: dict = {}
+        for weight, name, fn in self.terms:
+            values = fn(examples, texts)
+            if len(values) != len(texts):
+                raise ValueError(f"reward {name!r} returned {len(values)} values for {len(texts)} responses")
+            scores = [_score_of(v, name) for v in values]
+            total = [t + weight * s for t, s in zip(total, scores)]
+            metrics.update(_extras(values, scores, name if len(self.terms) > 1 else None))
+        return total, metrics
+
+
+def _call_any(fn):
+    """A (examples, texts) -> values adapter for a per-sample or a batch reward function."""
+    if rewards.is_batch_reward(fn):
+        return lambda ex, texts: list(fn(data_sources=[e["data_source"] for e in ex], solution_strs=list(texts),
+                                         ground_truths=[e["ground_truth"] for e in ex],
+                                         extra_infos=[e["extra_info"] for e in ex]))
+    return lambda ex, texts: [fn(e["data_source"], t, e["ground_truth"], e["extra_info"]) for e, t in zip(ex, texts)]
+
+
+def _score_of(value, name: str) -> float:
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"reward {name!r} returned a dict without 'score' (keys {sorted(value)[:8]})")
+        value = value["score"]
+    return float(value)
+
+
+def _extras(values: list, scores: list, term: str | None) -> dict:
+    """reward/<term> mean, numeric extra keys averaged, string ones as shares per value."""
+    out, n = {}, max(1, len(values))
+    if term:
+        out[f"reward/{_key(term)}"] = round(sum(scores) / n, 6)
+    dicts = [v for v in values if isinstance(v, dict)]
+    keys = dict.fromkeys(k for d in dicts for k in d if k != "score")
+    for k in keys:
+        vals = [d.get(k) for d in dicts if k in d]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, bool) for v in vals):
+            out[f"reward/{_key(k)}"] = round(sum(float(v) for v in vals) / len(vals), 6)
+        elif all(isinstance(v, str) for v in vals):
+            for value, count in Counter(vals).items():
+                out[f"reward/{_key(k)}/{_key(value)}"] = round(count / len(vals), 6)
+    return out
+
+
+def _key(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(s))[:60]
+
+
+class ModelReward:
+    """A Hugging Face sequence-classification model's first logit for prompt + response, batched on
+    the trainer's device; normalize: none | batch (z-score over the batch) | sigmoid."""
+
+    def __init__(self, path: str, device, batch_size: int = 16, normalize: str = "none"):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from .prepare import _path
+
+        path = _path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"args.reward: model:{path} is not a Hugging Face model directory (no config.json)")
+        self.torch = torch
+        self.device = device or torch.device("cpu")
+        self.tok = AutoTokenizer.from_pretrained(path)
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tok.pad_token_id
+        self.batch_size, self.normalize = batch_size, normalize
+        self.max_len = min(int(self.tok.model_max_length or 2048), 1 << 20,
+                           int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048))
+
+    def _text(self, example: dict, response: str) -> str:
+        messages = example["messages"]
+        if getattr(self.tok, "chat_template", None):
+            return self.tok.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+        return " ".join(m["content"] for m in messages) + " " + response
+
+    def __call__(self, examples: list, texts: list) -> list:
+        torch, out = self.torch, []
+        strings = [self._text(e, t) for e, t in zip(examples, texts)]
+        with torch.no_grad():
+            for start in range(0, len(strings), self.batch_size):
+                enc = self.tok(strings[start:start + self.batch_size], return_tensors="pt", padding=True,
+                               truncation=True, max_length=self.max_len)
+                logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
+                out.extend(logits[:, 0].float().cpu().tolist())
+        if self.normalize == "sigmoid":
+            return [float(torch.sigmoid(torch.tensor(v))) for v in out]
+        if self.normalize == "batch" and len(out) > 1:
+            t = torch.tensor(out)
+            return ((t - t.mean()) / (t.std() + 1e-6)).tolist()
+        return out

@@ -1,0 +1,172 @@
+"""The code sandbox against hostile programs: each scores 0 within a bounded time, the test process
+(standing in for the trainer) keeps running, and nothing the program did outlives the sample."""
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.rl import rewards, sandbox
+from helpers import wait_until
+
+LEVEL = sandbox.isolation()
+ISOLATED = LEVEL in ("namespaces", "userns")
+FAST = sandbox.Limits(timeout_s=3.0, cpu_s=2)
+OK_TESTS = ["assert f() == 1"]
+
+
+def _score(code, tests=OK_TESTS, limits=FAST):
+    t0 = time.monotonic()
+    res = sandbox.run_tests(code, tests, limits)
+    took = time.monotonic() - t0
+    assert took < limits.timeout_s + 2.0, f"{res} took {took:.1f} s"
+    return res
+
+
+def _procs_with(token: str) -> list:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if token.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_benign_code_scores_fraction_of_tests_passed():
+    code = "```python\ndef f(a, b):\n    return a + b\n```"
+    res = sandbox.run_tests(sandbox.extract_code(code), ["assert f(1, 2) == 3", "assert f(2, 2) == 5"])
+    assert (res.score, res.passed, res.total, res.reason) == (0.5, 1, 2, "wrong_answer")
+    stdio = sandbox.run_tests("print(int(input()) * 2)", [{"input": "3", "output": "6"}, {"input": "4", "output": "9"}])
+    assert (stdio.passed, stdio.total) == (1, 2)
+    assert sandbox.run_tests("def f(:", OK_TESTS).reason == "syntax_error"
+    assert sandbox.run_tests("", OK_TESTS).reason == "no_code"
+
+
+def test_infinite_loop_times_out():
+    res = _score("while True:\n    pass\ndef f(): return 1")
+    assert (res.score, res.reason) == (0.0, "timeout")
+
+
+def test_fork_bomb_is_contained_and_gone():
+    token = "forkbomb-7a1c"
+    code = ("import os, time\n"
+            "while True:\n"
+            "    try:\n"
+            "        os.fork()\n"
+            "    except OSError:\n"
+            f"        os.execv('/bin/sleep', ['/bin/sleep', '300', '{token}']) if os.getpid() % 3 == 0 else time.sleep(0.01)\n"
+            "def f(): return 1")
+    res = _score(code)
+    assert res.score == 0.0
+    wait_until(lambda: not _procs_with(token), 5, "fork bomb processes gone")
+
+
+def test_memory_hog_fails():
+    res = _score("x = bytearray(4 * 1024 ** 3)\ndef f(): return 1")
+    assert (res.score, res.reason) == (0.0, "error") and "MemoryError" in res.detail
+
+
+def test_gigabytes_of_output_stop_at_the_cap():
+    res = _score("while True:\n    print('x' * 1_000_000)\ndef f(): return 1")
+    assert (res.score, res.reason) == (0.0, "output_limit")
+    res = _score("with open('big', 'wb') as f:\n    for _ in range(4000):\n        f.write(b'x' * 1_000_000)\n"
+                 "def f(): return 1")
+    assert (res.score, res.reason) == (0.0, "error") and "File too large" in res.detail  # RLIMIT_FSIZE, 8 MB
+
+
+def test_file_written_outside_its_directory_is_absent_afterwards():
+    outside = Path("/tmp") / f"hpcrl-escape-{os.getpid()}"
+    mine = Path(__file__).resolve().parent / f".hpcrl-escape-{os.getpid()}"  # the trainer's own tree
+    code = (f"for p in ({str(outside)!r}, '/var/tmp/hpcrl-escape', {str(mine)!r}):\n"
+            "    open(p, 'w').write('pwned')\n"
+            "def f(): return 1")
+    res = _score(code)
+    assert not outside.exists() and not mine.exists()
+    if LEVEL == "namespaces":
+        assert res.score == 0.0 and "Permission" in res.detail  # nobody cannot write the trainer's files
+    Path("/var/tmp/hpcrl-escape").unlink(missing_ok=True)  # where the host allowed it (plain)
+
+
+def test_secret_environment_is_not_there(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value_123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_secret_value_456")
+    code = ("import os\n"
+            "found = ''.join(os.environ.values())\n"
+            "for pid in os.listdir('/proc'):\n"
+            "    try:\n"
+            "        found += open('/proc/%s/environ' % pid, 'rb').read().decode('latin1')\n"
+            "    except (OSError, ValueError):\n"
+            "        pass\n"
+            "def f(): return 1 if 'secret_value' in found else 0")
+    res = _score(code)
+    assert res.score == 0.0 and res.reason == "wrong_answer"
+
+
+@pytest.mark.skipif(not ISOLATED, reason=f"isolation {LEVEL!r}: the network is reachable without namespaces")
+def test_network_connection_fails():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        code = ("import socket\n"
+                f"socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+                "def f(): return 1")
+        res = _score(code)
+        assert res.score == 0.0 and res.reason == "error" and "Error" in res.detail
+        code2 = "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\ndef f(): return 1"
+        assert _score(code2).score == 0.0
+    finally:
+        server.close()
+
+
+def test_killing_its_parent_leaves_the_trainer_running():
+    me = os.getpid()
+    code = (f"import os, signal\n"
+            f"for pid in (os.getppid(), {me}):\n"
+            "    if pid > 1:\n"
+            "        os.kill(pid, signal.SIGKILL)\n"
+            "def f(): return 1")
+    res = _score(code)
+    assert res.score == 0.0
+    os.kill(me, 0)  # still here
+
+
+def test_child_left_running_is_gone_afterwards():
+    token = "leftover-3f9e"
+    code = ("import subprocess, os\n"
+            f"subprocess.Popen(['/bin/sleep', '300', '{token}'], start_new_session=True)\n"
+            f"if os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['/bin/sleep', '301', '{token}'])\n"
+            "def f(): return 2")
+    res = _score(code)
+    assert res.score == 0.0
+    wait_until(lambda: not _procs_with(token), 5, "children of the sample gone")
+
+
+def test_segfault_is_a_crash():
+    res = _score("import ctypes\nctypes.string_at(0)\ndef f(): return 1")
+    assert (res.score, res.reason) == (0.0, "crash")
+
+
+def test_benign_batch_of_64_is_scored_in_parallel():
+    items = [(f"def f(x):\n    return x * {i}", [f"assert f(2) == {2 * i}", f"assert f(3) == {3 * i + (i % 2)}"])
+             for i in range(64)]
+    t0 = time.monotonic()
+    results = sandbox.run_batch(items, workers=4, dedupe=False)
+    took = time.monotonic() - t0
+    assert [r.passed for r in results] == [1 if i % 2 else 2 for i in range(64)]
+    assert took < 30
+
+
+def test_compute_score_code_for_verl_and_batch():
+    gt = {"tests": ["assert f(2, 3) == 6"]}
+    assert rewards.compute_score("code", "```python\ndef f(a, b):\n    return a * b\n```", gt)["score"] == 1.0
+    out = rewards.compute_score_batch(["code"] * 2, ["def f(a, b): return a * b", "def f(a, b): return a"],
+                                      [gt, gt], [{}, {}])
+    assert [o["score"] for o in out] == [1.0, 0.0] and out[1]["reason"] == "wrong_answer"
+    prefix = {"tests": ["assert f(2, 3) == 5"], "prefix": "def f(a, b):\n    return "}
+    assert rewards.code_score("a + b", prefix)["score"] == 1.0
