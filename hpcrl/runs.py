@@ -67,6 +67,10 @@ class RunLayout:
         return self.root / "metrics.jsonl"
 
     @property
+    def exports(self) -> Path:  # one JSON line per `hpcrl export`: where, from which step and digest
+        return self.root / "exports.jsonl"
+
+    @property
     def lib(self) -> Path:
         # A snapshot of the hpcrl package taken at submit: the job imports it, so a run keeps
         # working with the code it was created with even if hpcrl is upgraded meanwhile.
