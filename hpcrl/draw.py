@@ -23,7 +23,7 @@ STATE_STYLES = {"RUNNING": "green", "CHECKPOINTING": "cyan", "RESUBMITTED": "cya
                 "COMPLETED": "bold green", "COMPLETE": "bold green", "CONTINUE": "cyan", "FAILED": "bold red",
                 "LOST": "red", "CANCELLED": "magenta", "STOPPED": "yellow", "QUEUED": "yellow", "SKIPPED": "dim"}
 # columns of the status table a narrow terminal leaves out, first to go first
-NARROW_DROP = (("JOB", 100), ("SITE", 90))
+NARROW_DROP = (("JOB", 0), ("SITE", 0))
 
 
 def console() -> Console:
@@ -31,11 +31,15 @@ def console() -> Console:
 
 
 def _table(headers: list[str], rows: list[list[str]], state_col: str | None = "STATE",
-           fold: tuple = ()) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold", expand=False)
-    for h in headers:
+           shrink: tuple = ("RUN", "LAST METRIC"), fold: tuple = ()) -> Table:
+    """Columns two spaces apart, no borders: `shrink` columns give way (ellipsis) when the
+    terminal is narrow, `fold` ones wrap, every other one keeps its full width."""
+    table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold", expand=False)
+    for i, h in enumerate(headers):
+        natural = max([len(h), *(len(r[i]) for r in rows)])
+        give = h in shrink or h in fold
         table.add_column(h, no_wrap=h not in fold, overflow="fold" if h in fold else "ellipsis",
-                         min_width=min(len(h), 12))
+                         min_width=min(natural, 8) if give else natural)
     for r in rows:
         cells = [Text(c, style=STATE_STYLES.get(c, "")) if h == state_col else Text(c) for h, c in zip(headers, r)]
         table.add_row(*cells)
@@ -43,7 +47,15 @@ def _table(headers: list[str], rows: list[list[str]], state_col: str | None = "S
 
 
 def _narrow(headers: list[str], rows: list[list[str]], width: int) -> tuple[list[str], list[list[str]]]:
-    keep = [i for i, h in enumerate(headers) if not any(h == name and width < w for name, w in NARROW_DROP)]
+    """Leave out the least needed columns while the table would not fit `width` whole."""
+    def need(cols):
+        return sum(max([len(headers[i]), *(len(r[i]) for r in rows)]) for i in cols) + 2 * (len(cols) - 1)
+
+    keep = list(range(len(headers)))
+    for name, _ in NARROW_DROP:
+        if need(keep) <= width:
+            break
+        keep = [i for i in keep if headers[i] != name]
     return [headers[i] for i in keep], [[r[i] for i in keep] for r in rows]
 
 
@@ -70,7 +82,7 @@ def detail(run, state: dict, row: dict, out: Console | None = None) -> None:
         out.print(Text.assemble((f"{label}: ", "bold"), text))
     out.print()
     out.print(Text("segments", style="bold"))
-    out.print(_table(report.SEG_HEADERS, report.segment_rows(state, row)))
+    out.print(_table(report.SEG_HEADERS, report.segment_rows(state, row), shrink=("JOB", "START", "END")))
     paths = Table(box=None, show_header=False, pad_edge=False)
     paths.add_column(style="bold", no_wrap=True)
     paths.add_column(overflow="fold")
@@ -82,7 +94,7 @@ def detail(run, state: dict, row: dict, out: Console | None = None) -> None:
 
 def plain_table(headers: list[str], rows: list[list[str]], fold: tuple = (), out: Console | None = None) -> None:
     """A table with no state column (sites, recipes); `fold` columns wrap instead of being cut."""
-    (out or console()).print(_table(headers, rows, state_col=None, fold=fold))
+    (out or console()).print(_table(headers, rows, state_col=None, shrink=(), fold=fold))
 
 
 # ---------------------------------------------------------------- logs -f

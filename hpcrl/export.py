@@ -126,6 +126,10 @@ def verl_argv(run: Run, resolved: dict, step: int | None, out: Path) -> tuple[in
     if step is None:
         raise HpcrlError(f"run '{run.id}' has no verl checkpoint yet in {run.layout.checkpoints}")
     actor = run.layout.checkpoints / f"global_step_{step}" / "actor"
+    if not actor.is_dir():
+        have = sorted(int(p.name.split("_")[-1]) for p in run.layout.checkpoints.glob("global_step_*")
+                      if p.name.split("_")[-1].isdigit())
+        raise HpcrlError(f"--step {step}: run '{run.id}' has verl checkpoints at steps {', '.join(map(str, have)) or 'none'}")
     return step, [run_python(resolved), "-m", "verl.model_merger", "merge", "--backend", "fsdp",
                   "--local_dir", str(actor), "--target_dir", str(out)]
 

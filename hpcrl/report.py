@@ -281,11 +281,8 @@ def goodput_line(row: dict) -> str:
     good = [g for g in row.get("goodput") or [] if g["goodput"] is not None]
     if not good:
         return ""
-    train = sum(g["train_s"] or 0 for g in good)
-    used = sum(g["used_s"] for g in good)
     shares = ", ".join(f"{g['goodput']:.0%}" for g in good)
-    return (f"{shares} of each segment's walltime trained "
-            f"({duration(train)} of {duration(used)} used; start-up and the stop lead are the rest)")
+    return f"{shares} of each segment's time trained (start-up and the stop before the walltime are the rest)"
 
 
 def export_line(run: Run) -> str:
