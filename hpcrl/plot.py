@@ -67,7 +67,8 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
         ax = axes[row][0]
         for i, (run, state, records) in enumerate(data):
             colour = colours[i % len(colours)]
-            _draw_run(ax, run.id if len(data) > 1 else "train", state, records, key, eval_key, colour, row == 0)
+            _draw_run(ax, run.id, f"{run.id} " if len(data) > 1 else "", state, records, key, eval_key, colour,
+                      row == 0)
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -83,15 +84,17 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
     return drawn
 
 
-def _draw_run(ax, label: str, state: dict, records: list[dict], key: str, eval_key: str | None,
+def _draw_run(ax, label: str, prefix: str, state: dict, records: list[dict], key: str, eval_key: str | None,
               colour: str, first_panel: bool) -> None:
+    """One run's curve, its evaluations and its segment and checkpoint markers; artists' gids
+    start with the run id (what describe counts)."""
     steps, values, _ = _series(records, key, train=True)
     if steps:
-        ax.plot(steps, values, color=colour, lw=1.2, label=f"{label} {key}", gid=f"{label}:train")
+        ax.plot(steps, values, color=colour, lw=1.2, label=f"{prefix}{key}", gid=f"{label}:train")
     ev_steps, ev_values, ev_phases = _series(records, eval_key or key, train=False)
     if ev_steps:
         ax.plot(ev_steps, ev_values, "o--", color=colour, ms=4, lw=0.8, alpha=0.8,
-                label=f"{label} {eval_key or key} (eval)", gid=f"{label}:eval")
+                label=f"{prefix}{eval_key or key} (greedy eval)", gid=f"{label}:eval")
         for s, v, phase in zip(ev_steps, ev_values, ev_phases):
             if phase in ("eval_before", "eval_after"):
                 ax.annotate(f"{phase.split('_')[1]} {v:.3g}", (s, v), textcoords="offset points", xytext=(4, 6),
@@ -118,8 +121,6 @@ def describe(fig, run_ids: list[str], panels) -> dict:
         out["panels"].append({"title": title, "metric": key, "train_points": points,
                               "eval_points": sum(len(line.get_xdata()) for line in ax.get_lines()
                                                  if (line.get_gid() or "").endswith(":eval")),
-                              "boundaries": {r: sum(g.startswith(f"{r}:{BOUNDARY}") or
-                                                    (len(run_ids) == 1 and g.startswith(f"train:{BOUNDARY}"))
-                                                    for g in gids) for r in run_ids},
+                              "boundaries": {r: sum(g.startswith(f"{r}:{BOUNDARY}") for g in gids) for r in run_ids},
                               "checkpoints": sum(f":{CHECKPOINT}:" in g for g in gids)})
     return out

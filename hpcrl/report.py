@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import lifecycle, progress, results
-from .atomicio import atomic_write_json
+from . import lifecycle
+from .atomicio import atomic_write_text
 from .ckptstore import checkpoint_name
 from .errors import HpcrlError
 from .lifecycle import RunState, SegState
@@ -40,8 +40,14 @@ def planned_segments(state: dict) -> int:
     return lifecycle.planned_segments(state["budget"])
 
 
-def run_facts(run: Run, state: dict) -> progress.RunFacts:
-    """The numbers of the frozen spec that ETA and cost need (defaults where it cannot be read)."""
+# progress and results are imported where used: `status` of finished runs reads only the cache
+ACTIVE_STATES = frozenset(s.value for s in lifecycle.ACTIVE)
+
+
+def run_facts(run: Run, state: dict):
+    """The numbers of the frozen spec that ETA and cost need (defaults where it cannot be read):
+    a progress.RunFacts."""
+    from . import progress
     from .trainers import get_trainer  # launcher-side adapters only: no torch
 
     try:
@@ -62,7 +68,9 @@ def run_facts(run: Run, state: dict) -> progress.RunFacts:
 
 def summary(run: Run, state: dict | None = None, note: str | None = None) -> dict:
     """One run as a dict (the --json row and the table row). note: a line the run's backend adds
-    (e.g. that no watcher keeps it going). eta, cost and goodput: see hpcrl/progress.py."""
+    (e.g. that no watcher keeps it going). eta and cost: see hpcrl/progress.py."""
+    from . import progress, results
+
     state = state or run.state()
     now = time.time()
     ckpt_step, ckpt_time = _ckpt_info(run, state.get("trainer", "smoke"))
@@ -84,8 +92,16 @@ def summary(run: Run, state: dict | None = None, note: str | None = None) -> dic
         "used_hours": round(lifecycle.used_hours(state, now), 4), "total_hours": state["budget"].get("total_hours"),
         "metric_name": metric_name, "metric": metric, "run_dir": str(run.dir), "created": state.get("created"),
         "eta": eta, "cost": progress.cost(state, facts, now, eta["wall_s_left"]),
-        "goodput": progress.goodput(state, timings, facts, now),
     }
+
+
+def goodput_of(run: Run, state: dict) -> list[dict]:
+    """Each started segment's training time over its walltime (`status RUN`; not cached per row:
+    a list of 1,000 runs must stay a small file)."""
+    from . import progress, results
+
+    timings = results.segment_timings(results.read_records(run.layout.metrics))
+    return progress.goodput(state, timings, run_facts(run, state), time.time())
 
 
 def _cache_path() -> Path:
@@ -118,6 +134,7 @@ def status_rows(ids: list[str], refresh_many, note=None) -> list[tuple]:
     note(run, state): the backend's line for a run, or None.
     """
     cache, fresh, rows, active = _load_cache(), {}, {}, []
+    changed = False  # a new finished row, or a run gone from the cache (no deep compare: 1,000 rows)
     for run_id in ids:
         hit = cache.get(run_id)
         if hit:
@@ -147,10 +164,12 @@ def status_rows(ids: list[str], refresh_many, note=None) -> list[tuple]:
             row = summary(run, state, note(run, state) if note else None)
             if not lifecycle.is_active(state):
                 fresh[run_id] = {"key": _file_key(run.layout.state), "row": row}
+                changed = True
         out.append((run, state, row))
-    if fresh != cache:
+    if changed or len(fresh) != len(cache):
         try:
-            atomic_write_json(_cache_path(), fresh)
+            # compact: every `status` reads it whole
+            atomic_write_text(_cache_path(), json.dumps(fresh, separators=(",", ":")))
         except OSError:
             pass  # a read-only home still gets a (slower) status
     return out
@@ -193,7 +212,7 @@ def duration(seconds: float | None) -> str:
 
 
 def is_active_row(row: dict) -> bool:
-    return row["state"] in {s.value for s in lifecycle.ACTIVE}
+    return row["state"] in ACTIVE_STATES
 
 
 def eta_cell(row: dict) -> str:
@@ -293,6 +312,8 @@ def export_line(run: Run) -> str:
 
 
 def newest_export(run: Run) -> dict | None:
+    from . import results
+
     recs = results.read_records(run.layout.exports)
     return recs[-1] if recs else None
 
@@ -312,6 +333,8 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 def headline_series(run: Run) -> tuple[str | None, list[float]]:
     """The headline metric of the training records, step by step (the sparkline's data)."""
+    from . import results
+
     recs = [r for r in results.read_records(run.layout.metrics) if results.is_train(r)]
     for key in ("reward_mean", "reward", "loss"):
         values = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
