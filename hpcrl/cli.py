@@ -98,19 +98,37 @@ def cmd_status(ns) -> int:
         rows = report.status_rows([runs.Run.by_id(ns.run).id], refresh_many, note)
     else:
         rows = report.status_rows(runs.registered_ids(), refresh_many, note)
+    if ns.run is not None and rows:  # not in the cached row: an export may follow the run's end
+        run = runs.Run.by_id(ns.run)
+        rows[0][2].update(goodput=report.goodput_of(run, run.state()), export=report.newest_export(run))
     if ns.json:
-        print(json.dumps([r[2] for r in rows], indent=1))
+        # one run per line: json's C encoder (indent= falls back to the Python one, 5x slower)
+        print("[" + ",\n ".join(json.dumps(r[2]) for r in rows) + "]")
     elif ns.run is not None:
         run = runs.Run.by_id(ns.run)
-        print(report.detail(run, run.state(), rows[0][2]))
+        if _terminal():
+            from . import draw
+
+            draw.detail(run, run.state(), rows[0][2])
+        else:
+            print(report.detail(run, run.state(), rows[0][2]))
     elif not rows:
         print("no runs yet: `hpcrl submit --trainer smoke --hours 0.01` tries the whole chain locally")
+    elif _terminal():
+        from . import draw
+
+        draw.status_table([r[2] for r in rows])
     else:
-        print(report.format_table([report.table_row(r[2]) for r in rows], colour=sys.stdout.isatty()))
+        print(report.format_table([report.table_row(r[2]) for r in rows]))
         for r in rows:
             if r[2].get("note"):
                 print(f"{r[2]['id']}: {r[2]['note']}")
     return 0
+
+
+def _terminal() -> bool:
+    """Draw with rich (tables that fit, colours) only for a person at a terminal."""
+    return sys.stdout.isatty()
 
 
 def cmd_logs(ns) -> int:
@@ -124,7 +142,12 @@ def cmd_logs(ns) -> int:
     launch.follow(run, interval_s=ns.interval, keep_going=ns.follow)  # e.g. TPU: logs copied from the bucket
     index = report.pick_segment(run.state(), ns.segment)
     try:
-        report.follow(run, index, sys.stdout, follow_on=ns.follow)
+        if ns.follow and _terminal():
+            from . import draw
+
+            draw.follow_with_progress(run, index)
+        else:
+            report.follow(run, index, sys.stdout, follow_on=ns.follow)
     except KeyboardInterrupt:
         pass
     return 0
@@ -204,6 +227,14 @@ def cmd_sites(ns) -> int:
     if ns.json:
         print(json.dumps(rows, indent=1))
         return 0
+    if _terminal():
+        from . import draw
+
+        draw.plain_table(["SITE", "SCHEDULER", "QOS (max hours)", "DESCRIPTION"],
+                         [[r["name"], r["scheduler"], ", ".join(f"{q} {h:g}h" for q, h in r["qos"].items()
+                                                                if h is not None) or "-", r["description"]]
+                          for r in rows], fold=("QOS (max hours)", "DESCRIPTION"))
+        return 0
     for r in rows:
         limits = ", ".join(f"{q} {h:g}h" for q, h in r["qos"].items() if h is not None)
         print(f"{r['name']:<14} {r['scheduler']:<6} {r['description']}")
@@ -227,11 +258,55 @@ def cmd_init(ns) -> int:
     from . import recipes
 
     if ns.list:
+        if _terminal():
+            from . import draw
+
+            draw.plain_table(["RECIPE", "WHAT IT TRAINS"], [list(x) for x in recipes.available().items()],
+                             fold=("WHAT IT TRAINS",))
+            return 0
         for name, title in recipes.available().items():
             print(f"{name:<28} {title}")
         return 0
     path = recipes.write(ns.recipe, ns.out, force=ns.force)
     print(f"wrote {path}; edit it, then `hpcrl render` to see the script and `hpcrl submit` to run it")
+    return 0
+
+
+def cmd_plot(ns) -> int:
+    from . import plot, runs
+
+    run_list = [runs.Run.by_id(r) for r in ns.runs]
+    out = ns.out or f"{'-vs-'.join(r.id for r in run_list)}.png"
+    drawn = plot.plot(run_list, out, ns.metric or None)
+    print(f"wrote {out} ({', '.join(p['title'] for p in drawn['panels'])})")
+    return 0
+
+
+def cmd_export(ns) -> int:
+    from . import export, runs
+    from .shell import command_line
+
+    run = runs.Run.by_id(ns.run)
+    record, argv = export.export(run, ns.step, ns.out, execute_converter=ns.execute)
+    if argv is not None:
+        print("# the trainer's own converter, in the run's venv (hpcrl export --execute runs it here):")
+        print(command_line(argv))
+        return 0
+    print(f"exported run {run.id} step {record['step']} to {record['out']} "
+          f"(from {record.get('checkpoint') or 'the converter'}; record: {export.EXPORT_RECORD})")
+    return 0
+
+
+def cmd_metrics(ns) -> int:
+    from . import results, runs
+
+    run = runs.Run.by_id(ns.run)
+    rows = results.table_rows(results.read_records(run.layout.metrics), run.state())
+    if not rows:
+        raise HpcrlError(f"run '{run.id}' has no metrics yet ({run.layout.metrics})")
+    results.write_table(rows, ns.format, ns.out or sys.stdout)
+    if ns.out:
+        print(f"wrote {len(rows)} rows to {ns.out}", file=sys.stderr)
     return 0
 
 
@@ -320,6 +395,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="hpcrl.yaml", help="where to write the spec")
     sp.add_argument("--force", action="store_true", help="overwrite an existing file")
     sp.set_defaults(func=cmd_init)
+    sp = sub.add_parser("plot", help="plot a run's metrics by step across its segments (needs hpcrl[plot])")
+    sp.add_argument("runs", nargs="+", metavar="RUN", help="one run, or several to compare on the same axes")
+    sp.add_argument("--metric", action="append", metavar="NAME",
+                    help="a metrics key to plot (repeatable; default: reward, KL, loss, response length)")
+    sp.add_argument("--out", help="PNG file to write (default: RUN.png here)")
+    sp.set_defaults(func=cmd_plot)
+    sp = sub.add_parser("export", help="the trained model as a Hugging Face directory (from_pretrained loads it)")
+    sp.add_argument("run")
+    sp.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    sp.add_argument("--out", required=True, help="new directory to write")
+    sp.add_argument("--execute", action="store_true",
+                    help="verl and MaxText runs: run their converter here (default: print the command)")
+    sp.set_defaults(func=cmd_export)
+    sp = sub.add_parser("metrics", help="every segment's metrics as one table (csv, parquet, jsonl)")
+    sp.add_argument("run")
+    sp.add_argument("--format", default="csv", choices=["csv", "parquet", "jsonl"], help="default csv")
+    sp.add_argument("--out", help="file to write (default: stdout; parquet needs a file)")
+    sp.set_defaults(func=cmd_metrics)
     for name, help_ in (("data", "make datasets: countdown, gsm8k (needs hpcrl[rl])"),
                         ("model", "build a tiny local model: model tiny --out DIR (needs hpcrl[rl])")):
         sp = sub.add_parser(name, help=help_, add_help=False)

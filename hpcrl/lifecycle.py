@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import namedtuple
 
 from .errors import RunError
 
@@ -74,37 +75,12 @@ class Stop(str, enum.Enum):
 CRASH_LOOP_SEGMENTS = 2  # segments in a row without checkpoint progress that fail a run
 
 
-class _Action:
-    # plain classes, not dataclasses: `hpcrl status` imports this module, and dataclasses costs
-    # a tenth of its start-up (it imports inspect)
-    __slots__ = ()
-
-    def __eq__(self, other):
-        return type(self) is type(other) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
-
-    def __hash__(self):
-        return hash((type(self), *(getattr(self, k) for k in self.__slots__)))
-
-    def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in self.__slots__)})"
-
-
-class Queue(_Action):
-    """Submit one more segment; `after`: the job it must wait for (afterany), if any."""
-
-    __slots__ = ("after",)
-
-    def __init__(self, after: str | None):
-        self.after = after
-
-
-class Cancel(_Action):
-    """Cancel these jobs."""
-
-    __slots__ = ("job_ids",)
-
-    def __init__(self, job_ids: tuple):
-        self.job_ids = tuple(job_ids)
+# The actions, as named tuples (not dataclasses: `status` imports this module, and dataclasses
+# pulls in inspect, ~10 ms of every start)
+Queue = namedtuple("Queue", ["after"])
+Queue.__doc__ = "Submit one more segment; `after`: the job it must wait for (afterany), if any."
+Cancel = namedtuple("Cancel", ["job_ids"])
+Cancel.__doc__ = "Cancel these jobs."
 
 
 # ---------------------------------------------------------------- reading a state

@@ -3,20 +3,16 @@ and never waits on the network (reconciling is launch's, done before rows are dr
 
 from __future__ import annotations
 
+import json
 import os
-import sys
 import time
 from pathlib import Path
 
-from . import lifecycle, protocol
-from .atomicio import atomic_write_json
+from . import lifecycle
+from .atomicio import atomic_write_text
 from .errors import HpcrlError
 from .lifecycle import RunState, SegState
 from .runs import Run
-
-STATE_COLOURS = {"RUNNING": "32", "CHECKPOINTING": "36", "RESUBMITTED": "36", "PENDING": "33",
-                 "COMPLETED": "1;32", "FAILED": "1;31", "CANCELLED": "35", "STOPPED": "33"}
-
 
 def _ckpt_info(run: Run, trainer: str) -> tuple[int | None, float | None]:
     from .trainers import get_trainer  # launcher-side adapters only: no torch
@@ -44,25 +40,68 @@ def planned_segments(state: dict) -> int:
     return lifecycle.planned_segments(state["budget"])
 
 
+# progress and results are imported where used: `status` of finished runs reads only the cache
+ACTIVE_STATES = frozenset(s.value for s in lifecycle.ACTIVE)
+
+
+def run_facts(run: Run, state: dict):
+    """The numbers of the frozen spec that ETA and cost need (defaults where it cannot be read):
+    a progress.RunFacts."""
+    from . import progress
+    from .trainers import get_trainer  # launcher-side adapters only: no torch
+
+    try:
+        resolved = json.loads(run.layout.spec.read_text(encoding="utf-8"))
+        spec, site = resolved["spec"], resolved["site"]
+    except (OSError, ValueError, KeyError, TypeError):
+        spec, site = {}, {}
+    res = spec.get("resources") or {}
+    try:
+        total = get_trainer(state.get("trainer", "smoke")).total_steps(spec.get("args") or {})
+    except (HpcrlError, KeyError, TypeError, ValueError):
+        total = None
+    return progress.RunFacts(total_steps=total, walltime_s=float(state["budget"].get("hours") or 0) * 3600.0,
+                             stop_lead_s=float(site.get("signal_lead_s") or 0), nodes=int(res.get("nodes") or 1),
+                             gpus_per_node=int(res.get("gpus_per_node") or site.get("gpus_per_node") or 0),
+                             charge_factor=site.get("charge_factor"))
+
+
 def summary(run: Run, state: dict | None = None, note: str | None = None) -> dict:
-    """One run as a flat dict (the --json row and the table row). note: a line the run's
-    backend adds (e.g. that no watcher keeps it going)."""
+    """One run as a dict (the --json row and the table row). note: a line the run's backend adds
+    (e.g. that no watcher keeps it going). eta and cost: see hpcrl/progress.py."""
+    from . import progress, results
+
     state = state or run.state()
+    now = time.time()
     ckpt_step, ckpt_time = _ckpt_info(run, state.get("trainer", "smoke"))
-    metrics = protocol.read_last_metrics(run.layout.metrics)
+    records = results.read_records(run.layout.metrics)
+    metrics = records[-1] if records else None
     live = lifecycle.live_segments(state)
     started = [s for s in state["segments"] if s.get("started")]
     metric_name, metric = _headline_metric(metrics)
+    facts, timings = run_facts(run, state), results.segment_timings(records)
+    step = (metrics or {}).get("step")
+    eta = progress.eta(state, timings, facts, step, now)
     return {
         "id": run.id, "site": state["site"], "state": _display_state(run, state),
         "reason": state.get("reason", ""), "note": note,
         "segments": len(started), "segments_planned": planned_segments(state),
         "job_id": (live[0]["job_id"] if live else (started[-1]["job_id"] if started else None)),
-        "step": (metrics or {}).get("step"), "checkpoint_step": ckpt_step,
-        "checkpoint_age_s": round(time.time() - ckpt_time, 1) if ckpt_time else None, "checkpoint_time": ckpt_time,
-        "used_hours": round(lifecycle.used_hours(state, time.time()), 4), "total_hours": state["budget"].get("total_hours"),
+        "step": step, "checkpoint_step": ckpt_step,
+        "checkpoint_age_s": round(now - ckpt_time, 1) if ckpt_time else None, "checkpoint_time": ckpt_time,
+        "used_hours": round(lifecycle.used_hours(state, now), 4), "total_hours": state["budget"].get("total_hours"),
         "metric_name": metric_name, "metric": metric, "run_dir": str(run.dir), "created": state.get("created"),
+        "eta": eta, "cost": progress.cost(state, facts, now, eta["wall_s_left"]),
     }
+
+
+def goodput_of(run: Run, state: dict) -> list[dict]:
+    """Each started segment's training time over its walltime (`status RUN`; not cached per row:
+    a list of 1,000 runs must stay a small file)."""
+    from . import progress, results
+
+    timings = results.segment_timings(results.read_records(run.layout.metrics))
+    return progress.goodput(state, timings, run_facts(run, state), time.time())
 
 
 def _cache_path() -> Path:
@@ -72,8 +111,6 @@ def _cache_path() -> Path:
 
 
 def _load_cache() -> dict:
-    import json
-
     try:
         return json.loads(_cache_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -97,6 +134,7 @@ def status_rows(ids: list[str], refresh_many, note=None) -> list[tuple]:
     note(run, state): the backend's line for a run, or None.
     """
     cache, fresh, rows, active = _load_cache(), {}, {}, []
+    changed = False  # a new finished row, or a run gone from the cache (no deep compare: 1,000 rows)
     for run_id in ids:
         hit = cache.get(run_id)
         if hit:
@@ -126,10 +164,12 @@ def status_rows(ids: list[str], refresh_many, note=None) -> list[tuple]:
             row = summary(run, state, note(run, state) if note else None)
             if not lifecycle.is_active(state):
                 fresh[run_id] = {"key": _file_key(run.layout.state), "row": row}
+                changed = True
         out.append((run, state, row))
-    if fresh != cache:
+    if changed or len(fresh) != len(cache):
         try:
-            atomic_write_json(_cache_path(), fresh)
+            # compact: every `status` reads it whole
+            atomic_write_text(_cache_path(), json.dumps(fresh, separators=(",", ":")))
         except OSError:
             pass  # a read-only home still gets a (slower) status
     return out
@@ -157,46 +197,173 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
+def duration(seconds: float | None) -> str:
+    """A short duration: 45s, 12m, 3h05m, 2d4h."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s" if s < 600 else f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600}h"
+
+
+def is_active_row(row: dict) -> bool:
+    return row["state"] in ACTIVE_STATES
+
+
+def eta_cell(row: dict) -> str:
+    eta = row.get("eta") or {}
+    if not is_active_row(row):
+        return "-"
+    return "?" if eta.get("eta_s") is None else duration(eta["eta_s"])
+
+
 def table_row(row: dict) -> list[str]:
     ckpt = "-" if row["checkpoint_step"] is None else f"{row['checkpoint_step']} ({_age(row['checkpoint_age_s'])} ago)"
     budget = f"{row['used_hours']:.2f}/{row['total_hours']:g}h" if row["total_hours"] else f"{row['used_hours']:.2f}h"
     metric = "-" if row["metric"] is None else f"{row['metric_name']}={row['metric']:.4g}"
     return [row["id"], row["site"], row["state"], f"{row['segments']}/{row['segments_planned']}", row["job_id"] or "-",
-            "-" if row["step"] is None else str(row["step"]), ckpt, budget, metric]
+            "-" if row["step"] is None else str(row["step"]), ckpt, budget, eta_cell(row), metric]
 
 
-HEADERS = ["RUN", "SITE", "STATE", "SEG", "JOB", "STEP", "CHECKPOINT", "USED", "LAST METRIC"]
+HEADERS = ["RUN", "SITE", "STATE", "SEG", "JOB", "STEP", "CHECKPOINT", "USED", "ETA", "LAST METRIC"]
 
 
-def format_table(rows: list[list[str]], colour: bool) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(HEADERS)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip()]
+def format_table(rows: list[list[str]], headers: list[str] = HEADERS) -> str:
+    """The plain table (stdout not a terminal): every column whole, for scripts and pipes."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     for r in rows:
-        cells = [c.ljust(w) for c, w in zip(r, widths)]
-        if colour and r[2] in STATE_COLOURS:
-            cells[2] = f"\033[{STATE_COLOURS[r[2]]}m{cells[2]}\033[0m"
-        lines.append("  ".join(cells).rstrip())
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return "\n".join(lines)
 
 
-def detail(run: Run, state: dict, row: dict) -> str:
-    """`status RUN`: the summary, the segment history and every path."""
-    out = [format_table([table_row(row)], colour=sys.stdout.isatty())]
-    if row["reason"]:
-        out.append(f"reason: {row['reason']}")
-    if row.get("note"):
-        out.append(f"note: {row['note']}")
-    out.append("\nsegments:")
-    out.append("  K    JOB          STATE      START              END                STEPS         RC")
+# ---------------------------------------------------------------- status RUN
+
+
+SEG_HEADERS = ["K", "JOB", "STATE", "START", "END", "STEPS", "RC", "USED", "GOODPUT"]
+
+
+def segment_rows(state: dict, row: dict) -> list[list[str]]:
+    good = {g["k"]: g for g in row.get("goodput") or []}
+    out = []
     for s in state["segments"]:
         steps = f"{_s(s.get('start_step'))} -> {_s(s.get('end_step'))}" if s.get("started") else "-"
-        out.append(f"  {_s(s.get('k')):<4} {s.get('job_id') or '-':<12} {s['state']:<10} {_t(s.get('started')):<18} "
-                   f"{_t(s.get('ended')):<18} {steps:<13} {_s(s.get('rc'))}")
+        g = good.get(s.get("k")) if s.get("started") else None
+        out.append([_s(s.get("k")), s.get("job_id") or "-", s["state"], _t(s.get("started")), _t(s.get("ended")),
+                    steps, _s(s.get("rc")), duration(g["used_s"]) if g else "-",
+                    f"{g['goodput']:.0%}" if g and g["goodput"] is not None else "-"])
+    return out
+
+
+def progress_line(row: dict) -> str:
+    """Steps/s, projected finish and segments left; '' when nothing can be said."""
+    eta = row.get("eta") or {}
+    total = eta.get("total_steps")
+    parts = [f"step {_s(row['step'])}/{_s(total)}"]
+    if eta.get("steps_per_s"):
+        parts.append(f"{eta['steps_per_s']:.3g} steps/s (last segment)")
+    if is_active_row(row):
+        if eta.get("finish_time"):
+            left = eta["segments_left"]
+            parts.append(f"finish ~{_t(eta['finish_time'])} (in {duration(eta['eta_s'])}, "
+                         f"{left} more segment{'s' if left != 1 else ''})")
+        else:
+            parts.append("finish: not known yet (needs steps with times and a total)")
+    return ", ".join(parts)
+
+
+def cost_line(row: dict) -> str:
+    c = row.get("cost") or {}
+    if not c:
+        return ""
+    nodes = c["nodes"]
+    text = f"{c['wall_hours']:.3g} h wall x {nodes} node{'s' if nodes != 1 else ''} = {c['node_hours']:.3g} node-h"
+    if c.get("gpu_hours") is not None:
+        text += f" ({c['gpu_hours']:.3g} GPU-h)"
+    if c.get("charged_hours") is not None:
+        text += f", charged {c['charged_hours']:.3g} (x{c['charge_factor']:g})"
+    if is_active_row(row) and c.get("node_hours_projected") is not None:
+        text += f"; whole run ~{c['node_hours_projected']:.3g} node-h"
+        if c.get("gpu_hours_projected") is not None:
+            text += f" ({c['gpu_hours_projected']:.3g} GPU-h)"
+        if c.get("charged_hours_projected") is not None:
+            text += f", charged ~{c['charged_hours_projected']:.3g}"
+    return text
+
+
+def goodput_line(row: dict) -> str:
+    good = [g for g in row.get("goodput") or [] if g["goodput"] is not None]
+    if not good:
+        return ""
+    shares = ", ".join(f"{g['goodput']:.0%}" for g in good)
+    return f"{shares} of each segment's time trained (start-up and the stop before the walltime are the rest)"
+
+
+def export_line(run: Run) -> str:
+    rec = newest_export(run)
+    if rec is None:
+        return ""
+    return f"{rec['out']} (step {rec['step']}, {_t(rec['time'])})"
+
+
+def newest_export(run: Run) -> dict | None:
+    from . import results
+
+    recs = results.read_records(run.layout.exports)
+    return recs[-1] if recs else None
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """Values as one line of block characters, bucketed to at most `width` (the mean of each)."""
+    values = [v for v in values if isinstance(v, (int, float))]
+    if not values:
+        return ""
+    n = min(width, len(values))
+    buckets = [values[i * len(values) // n:(i + 1) * len(values) // n] for i in range(n)]
+    means = [sum(b) / len(b) for b in buckets if b]
+    lo, hi = min(means), max(means)
+    bars = "▁▂▃▄▅▆▇█"
+    return "".join(bars[0 if hi == lo else min(7, int((m - lo) / (hi - lo) * 8))] for m in means)
+
+
+def headline_series(run: Run) -> tuple[str | None, list[float]]:
+    """The headline metric of the training records, step by step (the sparkline's data)."""
+    from . import results
+
+    recs = [r for r in results.read_records(run.layout.metrics) if results.is_train(r)]
+    for key in ("reward_mean", "reward", "loss"):
+        values = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
+        if values:
+            return key, values
+    return None, []
+
+
+def detail_sections(run: Run, state: dict, row: dict) -> list[tuple[str, str]]:
+    """(label, text) lines of `status RUN` under its table, empty ones left out."""
+    lines = [("reason", row["reason"]), ("note", row.get("note") or ""), ("progress", progress_line(row)),
+             ("cost", cost_line(row)), ("goodput", goodput_line(row)), ("export", export_line(run))]
+    return [(k, v) for k, v in lines if v]
+
+
+def detail_paths(run: Run) -> list[tuple[str, Path]]:
     lay = run.layout
+    return [("run dir", lay.root), ("script", lay.script), ("spec", lay.spec), ("logs", lay.logs),
+            ("checkpoints", lay.checkpoints), ("metrics", lay.metrics), ("state", lay.state)]
+
+
+def detail(run: Run, state: dict, row: dict) -> str:
+    """`status RUN` as plain text: the summary, progress and cost, the segments and every path."""
+    out = [format_table([table_row(row)])]
+    out += [f"{label}: {text}" for label, text in detail_sections(run, state, row)]
+    out.append("\nsegments:")
+    out += ["  " + line for line in format_table(segment_rows(state, row), SEG_HEADERS).splitlines()]
     out.append("\npaths:")
-    for name, p in (("run dir", lay.root), ("script", lay.script), ("spec", lay.spec), ("logs", lay.logs),
-                    ("checkpoints", lay.checkpoints), ("metrics", lay.metrics), ("state", lay.state)):
-        out.append(f"  {name:<12} {p}")
+    out += [f"  {name:<12} {p}" for name, p in detail_paths(run)]
     return "\n".join(out)
 
 
@@ -231,11 +398,14 @@ def pick_segment(state: dict, k: int | None) -> int:
     return k - 1
 
 
-def follow(run: Run, start_index: int, out, follow_on: bool, poll_s: float = 0.5) -> None:
+def follow(run: Run, start_index: int, out, follow_on: bool, poll_s: float = 0.5, on_tick=None) -> None:
     """Print the log of segment `start_index` and, with follow_on, every later one as it starts,
-    until the run reaches a final state and its last log is drained."""
+    until the run reaches a final state and its last log is drained. on_tick(): called once per
+    poll (the terminal's progress line)."""
     index, pos = start_index, 0
     while True:
+        if on_tick is not None:
+            on_tick()
         state = run.state()
         started = _started_segments(state)
         if index < len(started):

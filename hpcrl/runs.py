@@ -23,13 +23,16 @@ from .paths import hpcrl_home
 
 
 class RunLayout:
-    """Where each file of a run lives, under `root`. (A plain class: `status` imports this
-    module, and dataclasses would cost a tenth of its start-up.)"""
+    """Where each file of a run lives, under `root`. Immutable. (A plain class, not a dataclass:
+    `status` imports this module, and dataclasses pulls in inspect, ~10 ms of every start.)"""
 
     __slots__ = ("root",)
 
     def __init__(self, root):
-        self.root = Path(root)
+        object.__setattr__(self, "root", Path(root))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("RunLayout is immutable")
 
     def __eq__(self, other):
         return isinstance(other, RunLayout) and other.root == self.root
@@ -38,7 +41,7 @@ class RunLayout:
         return hash(self.root)
 
     def __repr__(self):
-        return f"RunLayout({str(self.root)!r})"
+        return f"RunLayout(root={self.root!r})"
 
     @property
     def spec(self) -> Path:  # the resolved spec and site, frozen at submit (budget: see state)
@@ -73,6 +76,10 @@ class RunLayout:
     @property
     def metrics(self) -> Path:  # the trainer's metrics (JSON lines)
         return self.root / "metrics.jsonl"
+
+    @property
+    def exports(self) -> Path:  # one JSON line per `hpcrl export`: where, from which step and digest
+        return self.root / "exports.jsonl"
 
     @property
     def lib(self) -> Path:

@@ -59,6 +59,8 @@ SITE_DEFAULTS = {
     "kill_grace_s": 30,
     "scheduler_flags": {},
     "hpcrl_python": None,
+    # what the allocation is charged per node-hour used (`status` shows the charge); null: not said
+    "charge_factor": None,
 }
 # Keys a backend adds (Backend.site_keys: TPU's project, zone, bucket, ...) join these in
 # site_keys(); the backend owns their meaning and checks them in complete_site.
@@ -397,6 +399,7 @@ def _validate_site(site: dict, hours: float) -> dict:
     validate_qos(site, hours)
     for key in ("signal_lead_s", "exit_margin_s", "kill_grace_s"):
         site[key] = _number(site.get(key), f"site '{name}': {key}", 0, allow_none=False)
+    site["charge_factor"] = _number(site.get("charge_factor"), f"site '{name}': charge_factor", 0)
     site["modules"] = _str_list(site.get("modules"), f"site '{name}': modules")
     site["setup"] = _str_list(site.get("setup"), f"site '{name}': setup")
     site["env"] = validate_env(site.get("env"), f"site '{name}': env")

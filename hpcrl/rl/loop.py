@@ -270,7 +270,8 @@ class RLTrainer:
                     say(f"{phase} abandoned: stop requested ({self.stop.reason or 'deadline'})")
                     return None
                 batch = self.rollout.generate(self.val_ids[start:start + bs], n=1, greedy=True)
-                values, metrics_ = self.reward(self.val_ex[start:start + bs], batch.texts)
+                # val_ids holds only the first eval_size rows: score exactly the rows generated
+                values, metrics_ = self.reward(self.val_ex[start:start + len(batch.texts)], batch.texts)
                 scores.extend(values)
                 for k, v in metrics_.items():  # weighted by batch size into a mean over the split
                     extra[k] = extra.get(k, 0.0) + v * len(values)

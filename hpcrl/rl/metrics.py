@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from .. import protocol
 
@@ -14,7 +15,8 @@ class MetricsLog:
         self._wandb = _start_wandb(wandb_project, run_dir) if wandb_project else None
 
     def write(self, record: dict) -> None:
-        record = {**record, "segment": self.segment}
+        # "time": when the step ended, for the launcher's steps/s, ETA and wall-time columns
+        record = {**record, "segment": self.segment, "time": round(time.time(), 3)}
         protocol.append_metrics(self.path, record)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])

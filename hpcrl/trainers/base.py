@@ -93,6 +93,11 @@ class Trainer:
         """
         return ""
 
+    def total_steps(self, args: dict) -> int | None:
+        """Steps of the whole run as the trainer counts them in its metrics' "step" (what an ETA
+        divides by), or None when the arguments do not fix it (e.g. an epoch count)."""
+        return None
+
     def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
         """The step of the newest complete checkpoint, or None. remote=False (`status`): cheap,
         never the network; remote=True (a segment's hooks, a watcher): may list remote storage

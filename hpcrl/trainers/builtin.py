@@ -35,6 +35,11 @@ class BuiltinTrainer(Trainer):
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         return {"trainer.json": json.dumps(ctx.args, indent=1, sort_keys=True) + "\n"}
 
+    def total_steps(self, args: dict) -> int | None:
+        # the loop counts the warm-up's steps in "step" too (RLTrainer.total)
+        a = {**SCHEMA.defaults, **(args or {})}
+        return int(a["sft_steps"]) + int(a["total_steps"])
+
     def command(self, ctx: TrainerContext) -> list[str]:
         return [ctx.python, "-m", "hpcrl.rl.train", "--config", str(ctx.run_dir / "trainer.json")]
 

@@ -99,6 +99,11 @@ class MaxTextTrainer(Trainer):
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # HF_TOKEN comes from the user's env, never the spec
 
+    def total_steps(self, args: dict) -> int | None:
+        # rl.yml: num_batches per epoch x num_epoch; null num_batches: rl.yml's (not known here)
+        a = args or {}
+        return a["num_batches"] * (a.get("num_epoch") or 1) if a.get("num_batches") else None
+
     def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
         # MaxText writes under base_output_directory/run_name, not the run's checkpoints/ dir:
         # find that place from the run's frozen spec.

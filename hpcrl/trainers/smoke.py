@@ -37,6 +37,9 @@ class SmokeTrainer(Trainer):
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         return {"smoke.json": json.dumps(ctx.args, indent=1, sort_keys=True) + "\n"}
 
+    def total_steps(self, args: dict) -> int | None:
+        return int(args.get("steps", SCHEMA.defaults["steps"]))
+
     def command(self, ctx: TrainerContext) -> list[str]:
         return [ctx.python, "-m", "hpcrl.trainers.smoke", "--config", str(ctx.run_dir / "smoke.json")]
 

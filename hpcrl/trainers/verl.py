@@ -251,6 +251,10 @@ class VerlTrainer(Trainer):
 
     # ------------------------------------------------------------ progress
 
+    def total_steps(self, args: dict) -> int | None:
+        # null: total_epochs x batches per epoch, which only verl knows once it read the data
+        return (args or {}).get("total_training_steps")
+
     def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
         return verl_checkpoint_step(ckpt_dir)
 

@@ -1,0 +1,134 @@
+"""When a run will finish and what it costs: pure functions of the run's state, its segments'
+timings (results.segment_timings) and a few numbers from its spec, on an injected clock.
+
+The projection: the last segment's steps/s; each further segment costs what the latest segment
+that stopped for continuation cost (its start-up before the first step, its training window, its
+stop and save after the last step), and waits what the gaps between segments were on average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .lifecycle import SegState, is_active, seg_state
+from .results import SegmentTiming
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """The numbers of a run's spec the projection needs."""
+
+    total_steps: int | None
+    walltime_s: float          # asked walltime of each segment
+    stop_lead_s: float = 0.0   # the site's signal lead: a segment stops training this early
+    nodes: int = 1
+    gpus_per_node: int = 0
+    charge_factor: float | None = None  # the allocation's charge per node-hour, if the site says
+
+
+def used_s(seg: dict, now: float) -> float:
+    """Wall seconds a started segment held its nodes (so far, while it runs)."""
+    if not seg.get("started"):
+        return 0.0
+    end = seg.get("ended") or (now if seg_state(seg) == SegState.RUNNING else seg["started"])
+    return max(0.0, end - seg["started"])
+
+
+def goodput(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, now: float) -> list[dict]:
+    """Per started segment: training seconds over walltime. A segment stopped for continuation is
+    measured against the walltime it asked for (the stop lead and start-up are what it lost); a
+    running or final one against the time it has used."""
+    out = []
+    for seg in state["segments"]:
+        if not seg.get("started"):
+            continue
+        t = timings.get(seg.get("k"))
+        used = used_s(seg, now)
+        full = seg_state(seg) in (SegState.CONTINUE, SegState.LOST)
+        base = max(used, facts.walltime_s) if full else used
+        train = t.train_s if t else None
+        out.append({"k": seg.get("k"), "job_id": seg.get("job_id"), "used_s": round(used, 1),
+                    "train_s": None if train is None else round(min(train, used or train), 1),
+                    "steps": t.steps if t else 0,
+                    "goodput": None if train is None or not base else round(min(1.0, train / base), 3)})
+    return out
+
+
+def _model(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts) -> tuple[float, float, float, float]:
+    """(start-up s, training window s, segment wall s, gap s) a further segment is expected to take."""
+    started = [s for s in state["segments"] if s.get("started")]
+    startup, window, wall = 0.0, None, None
+    for seg in reversed(started):
+        t = timings.get(seg.get("k"))
+        if seg_state(seg) == SegState.CONTINUE and t and t.train_s and seg.get("ended"):
+            startup = max(0.0, t.first_time - t.step_s - seg["started"])
+            window, wall = t.train_s, seg["ended"] - seg["started"]
+            break
+    else:
+        running = started[-1] if started else None
+        t = timings.get(running.get("k")) if running else None
+        if t and t.first_time and t.step_s:
+            startup = max(0.0, t.first_time - t.step_s - running["started"])
+    if window is None:  # no full segment yet: the walltime less the stop lead and the start-up
+        wall = facts.walltime_s
+        window = max(1.0, facts.walltime_s - facts.stop_lead_s - startup)
+    gaps = [b["started"] - a["ended"] for a, b in zip(started, started[1:]) if a.get("ended")]
+    gap = sum(gaps) / len(gaps) if gaps else 0.0
+    return startup, window, wall, max(0.0, gap)
+
+
+def eta(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, step: int | None, now: float) -> dict:
+    """Steps/s of the last segment, projected finish (unix time and seconds from now), segments
+    left after the running one, and the wall seconds the rest will hold nodes for."""
+    started = [s for s in state["segments"] if s.get("started")]
+    last = timings.get(started[-1].get("k")) if started else None
+    rate = last.steps_per_s if last else None
+    out = {"total_steps": facts.total_steps, "steps_per_s": None if rate is None else round(rate, 4),
+           "finish_time": None, "eta_s": None, "segments_left": None, "wall_s_left": None}
+    if not is_active(state):
+        ended = max((s.get("ended") or 0 for s in started), default=0) or None
+        return {**out, "finish_time": ended, "eta_s": 0.0, "segments_left": 0, "wall_s_left": 0.0}
+    if rate is None or facts.total_steps is None or step is None:
+        return out
+    left = max(0, facts.total_steps - step) / rate  # training seconds still to go
+    startup, window, wall, gap = _model(state, timings, facts)
+    tail = max(0.0, wall - startup - window)  # the stop and save after the last step
+    running = started[-1] if started and seg_state(started[-1]) == SegState.RUNNING else None
+    t, held, segments = now, 0.0, 0
+    if running:
+        train_end = running["started"] + startup + window
+        can = max(0.0, train_end - now)
+        if left <= can:
+            return _done(out, now + left, now, left + tail, 0)
+        left -= can
+        seg_end = max(now, running["started"] + wall)
+        held, t = seg_end - now, seg_end + gap
+    while True:
+        segments += 1
+        if left <= window:
+            finish = t + startup + left
+            return _done(out, finish, now, held + startup + left + tail, segments)
+        left -= window
+        held += wall
+        t += wall + gap
+
+
+def _done(out: dict, finish: float, now: float, held_s: float, segments: int) -> dict:
+    return {**out, "finish_time": round(finish, 1), "eta_s": round(max(0.0, finish - now), 1),
+            "segments_left": segments, "wall_s_left": round(held_s, 1)}
+
+
+def cost(state: dict, facts: RunFacts, now: float, wall_s_left: float | None) -> dict:
+    """Wall hours, node-hours and GPU-hours used (segments x time each actually held x nodes) and,
+    with a projection, those of the whole run; charged = node-hours x the site's charge factor."""
+    used = sum(used_s(s, now) for s in state["segments"])
+    out = {"nodes": facts.nodes, "gpus_per_node": facts.gpus_per_node, "charge_factor": facts.charge_factor}
+    for suffix, wall in (("", used), ("_projected", None if wall_s_left is None else used + wall_s_left)):
+        node_h = None if wall is None else wall * facts.nodes / 3600.0
+        out[f"wall_hours{suffix}"] = None if wall is None else round(wall / 3600.0, 4)
+        out[f"node_hours{suffix}"] = None if node_h is None else round(node_h, 4)
+        out[f"gpu_hours{suffix}"] = None if node_h is None or not facts.gpus_per_node else \
+            round(node_h * facts.gpus_per_node, 4)
+        out[f"charged_hours{suffix}"] = None if node_h is None or facts.charge_factor is None else \
+            round(node_h * facts.charge_factor, 4)
+    return out
