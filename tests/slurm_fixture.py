@@ -68,6 +68,8 @@ def _answers(env: dict) -> bool:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
+    if os.environ.get("HPCRL_SLURM_SKIP_REASON"):  # scripts/test could not start it, and says why
+        pytest.skip(f"{SKIP_REASON} ({os.environ['HPCRL_SLURM_SKIP_REASON']})")
     try:
         env = cluster_env()
     except (OSError, subprocess.CalledProcessError) as e:
