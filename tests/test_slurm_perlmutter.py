@@ -144,3 +144,26 @@ def test_perlmutter_profile_smoke_chain_on_debug_completes_with_sacct_telling_th
     assert (info.state, info.exit_code) == (JobState.COMPLETED, 0), info
     assert info.start_time and info.end_time and info.start_time <= info.end_time
     assert re.fullmatch(r"\d+", first)
+
+
+def test_two_nodes_own_hostnames_module_in_srun_tasks_and_epilog_ends_leftovers(pm_cluster, tmp_path):
+    """What multi-node jobs rely on: srun task i on node i with that node's hostname and address,
+    `module load python` inside srun tasks, and (Perlmutter's cgroups) no process outliving its job."""
+    out = tmp_path / "two.out"
+    script = tmp_path / "two.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH -N 2 --ntasks-per-node=1 -C gpu --gpus-per-node=4 -A {pm_cluster.account} -q debug -t 1 -o {out}
+srun bash -c 'module load python; echo "task $SLURM_PROCID $(hostname) $(hostname --ip-address) $HPCRL_TEST_PYTHON_MODULE"'
+srun -w nid002 -N 1 -n 1 bash -c 'setsid sleep 300 </dev/null >/dev/null 2>&1 & echo "left $!"'
+""")
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    wait_until(lambda: _sacct("-j", job) and _sacct("-j", job)[0]["State"] == "COMPLETED", 60, f"job {job}",
+               poll=0.5, describe=lambda: _sacct("-j", job))
+    text = out.read_text()
+    addr = {n: subprocess.run(["scontrol", "show", "node", n], capture_output=True, text=True).stdout
+            .split("NodeAddr=")[1].split()[0] for n in pm_cluster.nodes}
+    assert f"task 0 nid001 {addr['nid001']} python/3.11" in text and f"task 1 nid002 {addr['nid002']} python/3.11" in text, text
+    left = int(text.split("left ")[1].split()[0])
+    wait_until(lambda: not Path(f"/proc/{left}").exists(), 20, f"the Epilog to end the leftover process {left}")
+    epilog_log = Path(pm_cluster.env["HPCRL_SLURM_DIR"]) / "log" / "epilog-nid002.log"
+    assert f"job {job}: ended 1 leftover process(es): {left}" in epilog_log.read_text()
