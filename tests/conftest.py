@@ -12,7 +12,7 @@ import pytest
 from helpers import PWNED
 
 try:  # the Slurm fixture lives with the Slurm tests' helpers
-    from slurm_fixture import slurm_cluster  # noqa: F401
+    from slurm_fixture import pm_cluster, slurm_cluster  # noqa: F401
 except ImportError:
     pass
 

@@ -1,32 +1,62 @@
 """Fixtures for tests that need the real throwaway Slurm cluster (scripts/slurm-cluster).
 
-`slurm_cluster` (session) finds the cluster's config, points SLURM_CONF at it and skips when the
-cluster is not answering. `slurm_backend` (per test) is a SlurmBackend that cancels every job it
+`slurm_cluster` (session) asks `scripts/slurm-cluster env` which cluster is the test cluster, puts
+those exports (SLURM_CONF, HPCRL_SLURM_*) into os.environ and skips, saying why, when it is not
+answering. `pm_cluster` also skips unless that cluster is Perlmutter-shaped. `slurm_backend` (per test) is a SlurmBackend that cancels every job it
 submitted when the test ends, because other tests may share the cluster.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from hpcrl.backends.slurm import SlurmBackend
 
+CLUSTER_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm-cluster"
 SKIP_REASON = "Slurm test cluster not running: start it with scripts/slurm-cluster start"
 
 
 @dataclass
 class SlurmCluster:
+    """What `scripts/slurm-cluster env` prints: the tests talk to exactly that cluster."""
+
     conf: Path
+    env: dict = field(default_factory=dict)
+
+    @property
+    def shape(self) -> str:
+        return self.env.get("HPCRL_SLURM_SHAPE", "plain")
+
+    @property
+    def account(self) -> str | None:
+        return self.env.get("HPCRL_SLURM_ACCOUNT")
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n for n in self.env.get("HPCRL_SLURM_NODES", "").split(",") if n]
+
+    def netns(self, node: str) -> str:
+        """The network namespace (a path) that node's slurmd and its jobs run in."""
+        pairs = dict(p.split("=", 1) for p in self.env.get("HPCRL_SLURM_NETNS", "").split(",") if "=" in p)
+        return pairs[node]
 
 
-def _default_conf() -> Path:
-    # Where scripts/slurm-cluster writes it (`scripts/slurm-cluster env` prints the same path).
-    return Path(os.environ.get("HPCRL_SLURM_DIR", "/tmp/hpcrl-slurm")) / "etc" / "slurm.conf"
+def cluster_env() -> dict:
+    """The exports of `scripts/slurm-cluster env` (HPCRL_SLURM_DIR, when set, chooses the cluster).
+    A SLURM_CONF already in the environment is deliberately not used: it may name another cluster."""
+    out = subprocess.run(["bash", str(CLUSTER_SCRIPT), "env"], capture_output=True, text=True, check=True).stdout
+    env = {}
+    for line in out.splitlines():
+        if line.startswith("export ") and "=" in line:
+            key, value = line[len("export "):].split("=", 1)
+            env[key] = shlex.split(value)[0] if value else ""
+    return env
 
 
 def _answers(env: dict) -> bool:
@@ -38,17 +68,33 @@ def _answers(env: dict) -> bool:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    conf = os.environ.get("SLURM_CONF") or str(_default_conf())
-    if not Path(conf).is_file() or not _answers({**os.environ, "SLURM_CONF": conf}):
-        pytest.skip(SKIP_REASON)
+    if os.environ.get("HPCRL_SLURM_SKIP_REASON"):  # scripts/test could not start it, and says why
+        pytest.skip(f"{SKIP_REASON} ({os.environ['HPCRL_SLURM_SKIP_REASON']})")
+    try:
+        env = cluster_env()
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"{SKIP_REASON} ({CLUSTER_SCRIPT} env failed: {e})")
+    conf = env.get("SLURM_CONF", "")
+    if not conf or not Path(conf).is_file() or not _answers({**os.environ, **env}):
+        pytest.skip(f"{SKIP_REASON} (no cluster answers at SLURM_CONF={conf})")
     # Every client the tests start (and every job's own sbatch) must read this config.
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
-    yield SlurmCluster(Path(conf))
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield SlurmCluster(Path(conf), env)
+    for key, value in old.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def pm_cluster(slurm_cluster):
+    """The Perlmutter-shaped cluster (accounting, QOS, two GPU nodes in namespaces, Lmod)."""
+    if slurm_cluster.shape != "perlmutter" or len(slurm_cluster.nodes) < 2:
+        pytest.skip(f"the Slurm test cluster is not Perlmutter-shaped (shape {slurm_cluster.shape}, "
+                    f"nodes {slurm_cluster.nodes}): start it with scripts/slurm-cluster start")
+    return slurm_cluster
 
 
 class TrackingSlurmBackend(SlurmBackend):

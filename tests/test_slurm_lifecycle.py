@@ -38,7 +38,10 @@ def _submit(names, name, *args):
 def _kill_hard(job_id: str) -> None:
     """SIGKILL every process of the job, as a node failure would: no signal to trap, no end hook.
     (scancel --signal=KILL still ends the job with SIGTERM first on this Slurm.)"""
-    out = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True, check=True).stdout
+    # The job's node by name: on the Perlmutter-shaped cluster each node has its own spool dir.
+    node = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(["scontrol", "listpids", job_id, *([node] if node else [])],
+                         capture_output=True, text=True, check=True).stdout
     pids = [int(line.split()[0]) for line in out.splitlines()[1:] if line.split()]
     assert pids, out
     for pid in pids:
