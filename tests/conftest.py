@@ -4,6 +4,7 @@ tmp_path, and the CLI runs as a real subprocess where processes and signals matt
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,12 +18,20 @@ except ImportError:
     pass
 
 
-def pytest_collection_modifyitems(config, items):
-    # Under xdist (scripts/test runs -n 2 --dist loadgroup) the Slurm tests share one worker: they
-    # share one cluster, and mostly wait on it, while the other worker runs everything else.
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+@pytest.fixture(autouse=True)
+def _slurm_locks(request):
+    """Slurm tests run on several xdist workers at once: see slurm_fixture's locks."""
+    node = request.node
+    if not node.get_closest_marker("slurm") or node.get_closest_marker("stops_slurmctld"):
+        yield
+        return
+    from slurm_fixture import cluster_shared, ray_to_myself
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cluster_shared())
+        if node.get_closest_marker("uses_ray"):
+            stack.enter_context(ray_to_myself())
+        yield
 
 
 @pytest.fixture

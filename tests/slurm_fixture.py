@@ -8,6 +8,8 @@ submitted when the test ends, because other tests may share the cluster.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shlex
 import subprocess
@@ -45,6 +47,41 @@ class SlurmCluster:
         """The network namespace (a path) that node's slurmd and its jobs run in."""
         pairs = dict(p.split("=", 1) for p in self.env.get("HPCRL_SLURM_NETNS", "").split(",") if "=" in p)
         return pairs[node]
+
+
+# Under xdist (scripts/test: -n 3 --dist loadfile) Slurm test files run on several workers at once
+# (they mostly wait on the scheduler). Two locks keep them out of each other's way (files under
+# /tmp: one machine, every worker): every Slurm test holds the cluster shared while it runs, the
+# test that stops slurmctld (marker stops_slurmctld) takes it for itself; tests that start a Ray
+# cluster (marker uses_ray: fixed ports) run one at a time. tests/conftest.py applies them.
+CLUSTER_LOCK = Path("/tmp/hpcrl-slurm-tests.lock")
+RAY_LOCK = Path("/tmp/hpcrl-slurm-ray.lock")
+
+
+@contextlib.contextmanager
+def _cluster_lock(mode, path=CLUSTER_LOCK):
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cluster_shared():
+    """Held by Slurm tests running beside others (on another worker) while they run."""
+    return _cluster_lock(fcntl.LOCK_SH)
+
+
+def ray_to_myself():
+    """Held by a test that starts a Ray cluster on the test nodes (Ray's ports are fixed)."""
+    return _cluster_lock(fcntl.LOCK_EX, RAY_LOCK)
+
+
+def cluster_to_myself():
+    """For a test that disturbs the whole cluster (stops slurmctld): waits until no other
+    worker's Slurm test runs, and keeps them out meanwhile."""
+    return _cluster_lock(fcntl.LOCK_EX)
 
 
 def cluster_env() -> dict:
@@ -104,8 +141,8 @@ class TrackingSlurmBackend(SlurmBackend):
         super().__init__(site)
         self.submitted: list[str] = []
 
-    def submit(self, script, run_dir, job_name, after=None):
-        job_id = super().submit(script, run_dir, job_name, after)
+    def sbatch(self, script, after=None):
+        job_id = super().sbatch(script, after)
         self.submitted.append(job_id)
         return job_id
 

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_for_step, wait_until
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm]
 ONE_MIN = "0.0167"
 
 
@@ -51,24 +51,8 @@ def _kill_hard(job_id: str) -> None:
             pass
 
 
-def test_chain_runs_segments_resumes_and_completes_on_slurm(slurm_home):
-    _submit(slurm_home, "sl-chain", "--set", "args.steps=100", "--set", "args.step_time_s=0.5",
-            "--set", "args.save_every=1000")
-    state = wait_for_run("sl-chain", timeout=420)
-    assert state["state"] == "COMPLETED", state
-    ran = started(state)
-    assert len(ran) >= 2
-    steps = [m["step"] for m in read_metrics(run_dir("sl-chain"))]
-    assert steps == list(range(1, 101))
-    for prev, nxt in zip(ran, ran[1:]):
-        assert prev["state"] == "CONTINUE" and prev["rc"] == 85 and nxt["start_step"] == prev["end_step"]
-    # Slurm's own record of a continuation segment is a job that did its work, not a failure
-    from hpcrl.backends.slurm import SlurmBackend
-
-    infos = SlurmBackend({}).query([s["job_id"] for s in ran])
-    assert [(infos[s["job_id"]].state.value, infos[s["job_id"]].exit_code) for s in ran] == [("COMPLETED", 0)] * len(ran)
-    time.sleep(1)
-    assert _squeue("sl-chain") == [] or all("COMPLETED" in ln or "CANCELLED" in ln for ln in _squeue("sl-chain"))
+# The plain chain (segments, resume, completion, Slurm's records of continuation segments) runs in
+# tests/test_slurm_outage.py, with slurmctld away for a while in its first segment.
 
 
 def test_hard_kill_no_signal_successor_resumes_from_periodic_checkpoint(slurm_home):
@@ -94,7 +78,11 @@ def test_crash_at_same_step_fails_after_two_segments_and_queues_nothing(slurm_ho
             "--set", "args.crash_at_step=3")
     state = wait_for_run("sl-crash", timeout=300)
     assert state["state"] == "FAILED" and "no checkpoint progress" in state["reason"]
-    assert len(started(state)) == 2
+    # Slurm may deliver USR1 early (its 30 s tick): a segment can then stop for continuation at
+    # step 2 before it reaches the crash; the run fails after two failures in a row without progress
+    ran = started(state)
+    assert [s["state"] for s in ran[-2:]] == ["FAILED", "FAILED"] and all(s["rc"] == 1 for s in ran[-2:])
+    assert all(s["state"] in ("FAILED", "CONTINUE") for s in ran) and len(ran) <= 4
     time.sleep(2)
     assert not [ln for ln in _squeue("sl-crash") if "PENDING" in ln or "RUNNING" in ln]
 

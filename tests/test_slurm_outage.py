@@ -1,4 +1,5 @@
-"""The scheduler goes away for a while, for real: slurmctld of the test cluster is stopped
+"""A chain of 1-minute segments on the real Slurm cluster, during which the scheduler goes away
+for a while, for real: slurmctld of the test cluster is stopped
 (SIGSTOP: it neither answers nor forgets anything, like a hung or restarting controller) for
 longer than a segment's end hook could wait, then continued. The running segment keeps training,
 `status` says the scheduler is unreachable instead of failing (and judges nothing), and when
@@ -18,7 +19,7 @@ import pytest
 
 from helpers import hpcrl, last_step, read_metrics, run_dir, run_state, started, wait_for_run, wait_until
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.stops_slurmctld]
 
 
 def _slurmctld_pid() -> int:
@@ -45,8 +46,12 @@ def slurmctld_away():
         os.kill(pid, signal.SIGCONT)
 
 
-def test_slurmctld_away_longer_than_a_hook_waits_chain_survives(home, slurm_cluster):
+def test_chain_on_slurm_survives_slurmctld_away_longer_than_a_hook_waits(home, slurm_cluster):
+    from slurm_fixture import cluster_to_myself
+
     name = "sl-away"
+    whole_cluster = contextlib.ExitStack()  # Slurm tests on other workers would see the outage too:
+    whole_cluster.enter_context(cluster_to_myself())  # the cluster is this test's until it is back
     try:
         hpcrl("submit", "--site", "testcluster", "--trainer", "smoke", "--hours", "0.0167", "--name", name,
               "--set", "args.steps=140", "--set", "args.step_time_s=0.5", "--set", "args.save_every=1000")
@@ -68,10 +73,23 @@ def test_slurmctld_away_longer_than_a_hook_waits_chain_survives(home, slurm_clus
             time.sleep(max(0.0, 30 - (time.time() - t0)))  # longer than the hooks' exit margin (8 s)
             assert last_step(rdir) > before, "the running segment kept training"
             assert run_state(name)["state"] in ("RUNNING", "RESUBMITTED"), "nothing was judged while away"
+        whole_cluster.close()
         state = wait_for_run(name, timeout=300)
         assert state["state"] == "COMPLETED", state
         assert [m["step"] for m in read_metrics(rdir)] == list(range(1, 141)), "every step once"
         ran = started(state)
-        assert len(ran) >= 2 and all(s["state"] == "CONTINUE" for s in ran[:-1])
+        assert len(ran) >= 2
+        for prev, nxt in zip(ran, ran[1:]):
+            assert prev["state"] == "CONTINUE" and prev["rc"] == 85 and nxt["start_step"] == prev["end_step"]
+        # Slurm's own record of a continuation segment is a job that did its work, not a failure
+        from hpcrl.backends.slurm import SlurmBackend
+
+        infos = SlurmBackend({}).query([s["job_id"] for s in ran])
+        assert [(infos[s["job_id"]].state.value, infos[s["job_id"]].exit_code) for s in ran] == \
+            [("COMPLETED", 0)] * len(ran)
+        time.sleep(1)
+        queue = subprocess.run(["squeue", "-h", "--name", name, "-o", "%T"], capture_output=True, text=True).stdout
+        assert all(st in ("COMPLETED", "CANCELLED") for st in queue.split()), queue
     finally:
+        whole_cluster.close()  # closing twice is harmless
         subprocess.run(["scancel", "--name", name], capture_output=True)

@@ -21,7 +21,7 @@ import yaml
 
 from helpers import hpcrl, wait_for_run
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.uses_ray]
 pytest.importorskip("ray", reason="real Ray (scripts/setup installs it) is needed to run the bootstrap")
 
 STANDIN_DRIVER = '''\

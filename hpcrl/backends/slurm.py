@@ -305,7 +305,7 @@ def doctor_checks(site: dict, run) -> list[Check]:
     user = getpass.getuser()
     account = site.get("account")
     try:
-        acc = run(["sacctmgr", "-n", "-P", "show", "associations", f"where=account={account or ''}",
+        acc = run(["sacctmgr", "-n", "-P", "show", "associations", "where", f"account={account or ''}",
                    f"user={user}", "format=Account,User,QOS"])
     except BackendError:
         acc = None
