@@ -87,7 +87,9 @@ def test_file_written_outside_its_directory_is_absent_afterwards():
     res = _score(code)
     assert not outside.exists() and not mine.exists()
     if LEVEL == "namespaces":
-        assert res.score == 0.0 and "Permission" in res.detail  # nobody cannot write the trainer's files
+        # nobody cannot write the trainer's files; a checkout under /tmp is not even visible (the
+        # sandbox's /tmp is its own tmpfs), so the open fails either way
+        assert res.score == 0.0 and ("Permission" in res.detail or "No such file" in res.detail), res.detail
     Path("/var/tmp/hpcrl-escape").unlink(missing_ok=True)  # where the host allowed it (plain)
 
 
