@@ -83,9 +83,11 @@ def cmd_status(ns) -> int:
         return launch.refresh_many(active, problems)
 
     def note(run, state):
+        from . import lifecycle  # loaded by report already
+
         if run.id in problems:
             return problems[run.id]
-        if state["state"] in ("COMPLETED", "FAILED", "CANCELLED", "STOPPED"):
+        if not lifecycle.is_active(state):
             return None  # only an active run has a backend's word (finished rows stay cheap)
         from . import launch
 
@@ -94,18 +96,14 @@ def cmd_status(ns) -> int:
         except (OSError, ValueError):
             return None
 
-    if ns.run is not None:
-        rows = report.status_rows([runs.Run.by_id(ns.run).id], refresh_many, note)
-    else:
-        rows = report.status_rows(runs.registered_ids(), refresh_many, note)
-    if ns.run is not None and rows:  # not in the cached row: an export may follow the run's end
-        run = runs.Run.by_id(ns.run)
+    run = runs.Run.by_id(ns.run) if ns.run is not None else None
+    rows = report.status_rows([run.id] if run else runs.registered_ids(), refresh_many, note)
+    if run is not None and rows:  # not in the cached row: an export may follow the run's end
         rows[0][2].update(goodput=report.goodput_of(run, run.state()), export=report.newest_export(run))
     if ns.json:
         # one run per line: json's C encoder (indent= falls back to the Python one, 5x slower)
         print("[" + ",\n ".join(json.dumps(r[2]) for r in rows) + "]")
-    elif ns.run is not None:
-        run = runs.Run.by_id(ns.run)
+    elif run is not None:
         if _terminal():
             from . import draw
 
@@ -322,8 +320,7 @@ def cmd_segment(ns) -> int:
             return EXIT_NOTHING_TO_DO
         print(f"{started[0]} {started[1]:.3f} {int(started[2])}")
     elif ns.phase == "successor":
-        until = launch._job_end_from_env(launch.Run(ns.run_dir).spec(), os.environ)
-        return 0 if launch.keep_successor(ns.run_dir, ns.job_id, until) else 1
+        return 0 if launch.keep_successor(ns.run_dir, ns.job_id) else 1
     else:
         launch.segment_end(ns.run_dir, ns.job_id, ns.rc)
     return 0

@@ -163,7 +163,7 @@ def submit_hint(run: Run) -> list[str]:
 
 
 def backend_for(run: Run):
-    return for_site(run.spec()["site"])
+    return for_site(run.site())
 
 
 def _carry_out(run: Run, state: dict, actions: list, backend=None) -> list[str]:
@@ -234,12 +234,15 @@ def _job_end(backend, run: Run, job_id: str, environ, hours: float) -> float:
     return end or clock() + hours * 3600
 
 
-def keep_successor(run_dir: str, job_id: str, until: float) -> bool:
+def keep_successor(run_dir: str, job_id: str, until: float | None = None) -> bool:
     """Inside a job whose successor could not be queued: retry with back-off until it is queued,
-    the run needs none any more, or `until` (the job's end) passes. True when nothing is missing.
-    The run's lock is held only for each attempt, never while waiting."""
+    the run needs none any more, or `until` (default: the job's end, from its environment)
+    passes. True when nothing is missing. The run's lock is held only for each attempt, never
+    while waiting."""
     run = Run(Path(run_dir))
     backend = backend_for(run)
+    if until is None:
+        until = _job_end_from_env(run.spec(), os.environ)
     delay = RETRY_FIRST_S
     while True:
         with run.locked() as state:
@@ -324,7 +327,7 @@ def resume(run_id: str, hours: float | None = None, total_hours: float | None = 
     reconcile(run, interval_s=60.0)
     check_resume_budget(hours, total_hours, max_segments, run.state()["budget"])
     if hours is not None:
-        validate_qos(run.spec()["site"], hours)
+        validate_qos(run.site(), hours)
     if max_segments is not None:
         max_segments = int(max_segments)
     with run.locked() as state:
@@ -359,7 +362,7 @@ def refresh_many(run_list: list[Run], problems: dict | None = None) -> dict[str,
         out[run.id] = state
         if not lifecycle.is_active(state):
             continue
-        site = run.spec()["site"]
+        site = run.site()
         backend = for_site(site)
         if backend.reconciles_outside_job:
             continue

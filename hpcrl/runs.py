@@ -177,6 +177,10 @@ class Run:
         resolved["spec"]["budget"] = dict(self.state()["budget"])
         return resolved
 
+    def site(self) -> dict:
+        """The run's resolved site profile (frozen at submit; no state read)."""
+        return json.loads(self.layout.spec.read_text(encoding="utf-8"))["site"]
+
     def state(self) -> dict:
         return json.loads(self.layout.state.read_text(encoding="utf-8"))
 
