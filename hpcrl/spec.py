@@ -433,10 +433,10 @@ def site_as_given(site_name: str | None, account: str | None = None, sets: list[
     """A site profile with --account / --set site.KEY overrides, its account from the
     environment if need be, and not validated further (what `hpcrl doctor` examines)."""
     site = load_site(site_name or "local")
+    bad = next((item for item in sets or [] if not str(item).startswith("site.")), None)
+    if bad is not None:
+        raise SpecError(f"--set {bad}: hpcrl doctor takes only site.KEY=VALUE, e.g. --set site.account=m1234_g")
     over = parse_set(sets or [])
-    unknown = set(over) - {"site"}
-    if unknown:
-        raise SpecError(f"--set {sorted(unknown)[0]}...: doctor takes only site.KEY=VALUE")
     _check_keys(_mapping(over.get("site"), "site"), site_keys(), "site.")
     site = deep_merge(site, {k: v for k, v in (over.get("site") or {}).items() if k != "name"})
     if account is not None:
