@@ -9,6 +9,16 @@ The segment script gives the trainer, in its environment:
                        saved and exited
     HPCRL_METRICS      the JSON-lines file for metrics (one object per line, with "step")
 
+    HPCRL_STOP_FILE    (multi-process launchers only) a path the segment script creates instead of
+                       forwarding SIGUSR1: a launcher such as torchrun or srun would die of a USR1
+                       or not pass it on, so the trainer's ranks look for this file (rank 0 is
+                       enough: the ranks agree on the stop with a collective) and treat it as USR1
+    HPCRL_EXIT_FILE    (multi-process launchers only) torchrun reports any non-zero worker exit
+                       as 1, so the code the protocol needs (EXIT_COMPLETE or EXIT_CONTINUE) is
+                       written here by rank 0 once every rank has finished saving, and every rank
+                       then exits 0; the segment script takes the file's code when the launcher
+                       itself exited 0, and the launcher's code (a failure) otherwise
+
 Before the deadline the trainer also gets SIGUSR1 ("checkpoint now, then exit for
 continuation"). SIGTERM means "you are being killed or preempted: save if you can, exit".
 Exit codes: EXIT_COMPLETE (0) when training is done, EXIT_CONTINUE when it stopped to be
@@ -39,6 +49,8 @@ ENV_CKPT_DIR = "HPCRL_CKPT_DIR"
 ENV_SEGMENT = "HPCRL_SEGMENT"
 ENV_DEADLINE = "HPCRL_DEADLINE"
 ENV_METRICS = "HPCRL_METRICS"
+ENV_STOP_FILE = "HPCRL_STOP_FILE"
+ENV_EXIT_FILE = "HPCRL_EXIT_FILE"
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -49,8 +61,11 @@ METRICS_FILE = "metrics.jsonl"
 class Context:
     """What the segment script told the trainer (or sensible stand-ins when run by hand)."""
 
-    def __init__(self, run_dir, ckpt_dir, segment: int, deadline: float | None, metrics):
+    def __init__(self, run_dir, ckpt_dir, segment: int, deadline: float | None, metrics,
+                 stop_file=None, exit_file=None):
         self.run_dir = Path(run_dir)
+        self.stop_file = Path(stop_file) if stop_file else None
+        self.exit_file = Path(exit_file) if exit_file else None
         self.ckpt_dir = Path(ckpt_dir)
         self.segment = segment
         self.deadline = deadline
@@ -67,6 +82,8 @@ class Context:
             segment=int(env.get(ENV_SEGMENT) or 1),
             deadline=float(deadline) if deadline else None,
             metrics=env.get(ENV_METRICS) or run_dir / METRICS_FILE,
+            stop_file=env.get(ENV_STOP_FILE) or None,
+            exit_file=env.get(ENV_EXIT_FILE) or None,
         )
 
     def seconds_left(self, now: float | None = None) -> float:
@@ -100,8 +117,16 @@ class StopFlag:
     def _on_term(self, signum, frame):
         self.term = True
 
+    def poll_stop_file(self) -> bool:
+        """Under a multi-process launcher the USR1 arrives as HPCRL_STOP_FILE: one stat, so call
+        it where the loop checks for a stop (between steps, between chunks of a long phase)."""
+        if not self.usr1 and self.ctx.stop_file is not None and self.ctx.stop_file.exists():
+            self.usr1 = True
+        return self.usr1
+
     @property
     def reason(self) -> str | None:
+        self.poll_stop_file()
         if self.term:
             return "SIGTERM"
         if self.usr1:
@@ -112,9 +137,21 @@ class StopFlag:
 
     def should_stop(self, next_step_s: float = 0.0, save_s: float = 0.0) -> bool:
         """True when a signal came, or the next step plus a save would overrun the deadline."""
-        if self.usr1 or self.term:
+        if self.poll_stop_file() or self.term:
             return True
         return self.ctx.seconds_left() <= self.margin_s + next_step_s + save_s
+
+
+def exit_code_for_launcher(ctx: Context, code: int) -> int:
+    """The code the trainer process should exit with. Without a multi-process launcher that is
+    `code` itself; under one (HPCRL_EXIT_FILE set) the caller's rank 0 has everyone's agreement
+    that the ranks finished, the code goes to the file (atomically) and the process exits 0."""
+    if ctx.exit_file is None:
+        return code
+    tmp = ctx.exit_file.with_name(ctx.exit_file.name + ".tmp")
+    tmp.write_text(f"{int(code)}\n", encoding="ascii")
+    os.replace(tmp, ctx.exit_file)
+    return 0
 
 
 def ignore_late_signals() -> None:

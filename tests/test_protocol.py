@@ -74,3 +74,19 @@ def test_signals_are_ignored_once_the_trainer_exits():
             "sys.exit(85)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 85 and proc.stdout.strip() == "ignored", (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_stop_file_and_exit_file_for_multi_process_launchers(tmp_path):
+    env = {"HPCRL_RUN_DIR": str(tmp_path), "HPCRL_STOP_FILE": str(tmp_path / "stop"),
+           "HPCRL_EXIT_FILE": str(tmp_path / "exit-code")}
+    ctx = protocol.Context.from_env(env)
+    stop = protocol.StopFlag(ctx, install=False)
+    assert not stop.should_stop() and stop.reason is None
+    (tmp_path / "stop").touch()  # what the segment script does on USR1 under torchrun/srun
+    assert stop.should_stop() and stop.reason == "SIGUSR1"
+    # under the launcher the code travels in the file and the process exits 0
+    assert protocol.exit_code_for_launcher(ctx, protocol.EXIT_CONTINUE) == 0
+    assert (tmp_path / "exit-code").read_text().strip() == "85"
+    assert not list(tmp_path.glob("*.tmp"))
+    plain = protocol_context(tmp_path)  # a single process: the code is the exit status itself
+    assert protocol.exit_code_for_launcher(plain, protocol.EXIT_CONTINUE) == 85
