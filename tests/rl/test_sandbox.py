@@ -1,8 +1,10 @@
 """The code sandbox against hostile programs: each scores 0 within a bounded time, the test process
 (standing in for the trainer) keeps running, and nothing the program did outlives the sample."""
 
+import marshal
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -106,6 +108,30 @@ def test_secret_environment_is_not_there(monkeypatch):
             "def f(): return 1 if 'secret_value' in found else 0")
     res = _score(code)
     assert res.score == 0.0 and res.reason == "wrong_answer"
+
+
+def test_environment_is_exactly_home_tmpdir_path_lang_for_the_program_and_its_children():
+    # the harness sets it through posix (it never imports os): os.environ, built later by the
+    # program's own import, and the C environment a child inherits must agree
+    code = ("import os, subprocess\n"
+            "def mine(): return sorted(os.environ)\n"
+            "def childs(): return sorted(l.split('=')[0] for l in subprocess.run(['env'], capture_output=True, text=True).stdout.split())\n"
+            "def home(): return os.environ['HOME'] == os.environ['TMPDIR'] == os.getcwd()")
+    want = "['HOME', 'LANG', 'PATH', 'TMPDIR']"
+    res = _score(code, [f"assert mine() == {want}, mine()", f"assert childs() == {want}, childs()", "assert home()"])
+    assert res.score == 1.0, res
+
+
+def test_another_interpreter_gets_the_harness_as_source(tmp_path, monkeypatch):
+    # marshal's code format is per version: the same interpreter under another path must still work
+    link = tmp_path / "python-elsewhere"
+    link.symlink_to(os.path.realpath(sys.executable))
+    assert sandbox._harness_blob(str(link)) == sandbox._harness_blob(sys.executable)
+    other = "/nonexistent/python9"
+    assert marshal.loads(sandbox._harness_blob(other)) == sandbox.HARNESS
+    source = marshal.dumps(sandbox.HARNESS, 2)  # and the harness runs from source too
+    monkeypatch.setattr(sandbox, "_harness_blob", lambda python: source)
+    assert _score("def f(): return 1").score == 1.0
 
 
 @pytest.mark.skipif(not ISOLATED, reason=f"isolation {LEVEL!r}: the network is reachable without namespaces")
