@@ -1,16 +1,21 @@
 """Sandboxed code rewards per second vs bare `python -c` spawns, in the same run; and the pool's
 scaling with workers.
 
-    PYTHONPATH=. python scripts/bench_sandbox.py [--n 200] [--workers 1,2,4]
+    PYTHONPATH=. python scripts/bench_sandbox.py [--n 100] [--repeats 5] [--workers 1,2,4]
 
-Prints one JSON object. Compare ratios (overhead = bare rate / sandbox rate), not absolute
-rates: they depend on the machine and on what else runs on it.
+Prints one JSON object. Compare ratios, not absolute rates: they depend on the machine and on
+what else runs on it. The overhead is measured call by call, a bare spawn then a sandboxed
+sample, alternating, so a burst of load on a shared machine hits both alike; each repeat gives
+median(sandbox call) / median(bare call), and the figure is the median of the repeats' ratios.
+Both sides start a fresh interpreter per sample (the sandbox: one exec, then forks inside its
+namespaces); neither reuses a process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -42,25 +47,38 @@ def rate(fn, n: int, workers: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=200, help="samples per measurement")
+    p.add_argument("--n", type=int, default=100, help="calls of each kind per repeat")
+    p.add_argument("--repeats", type=int, default=5, help="repeats; the median of their ratios is reported")
     p.add_argument("--workers", default="1,2,4", help="pool sizes to measure")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each is kept")
     ns = p.parse_args()
     level = sandbox.isolation()
     sandboxed()  # probe + warm caches
-    out = {"isolation": level, "n": ns.n, "python": sys.version.split()[0]}
-    best = {"bare": 0.0, "sandbox": 0.0}
-    for _ in range(ns.rounds):  # alternate so drift in machine load hits both alike
-        best["bare"] = max(best["bare"], rate(bare_spawn, ns.n, 1))
-        best["sandbox"] = max(best["sandbox"], rate(sandboxed, ns.n, 1))
-    out["one_worker_per_s"] = {k: round(v, 1) for k, v in best.items()}
-    out["overhead_vs_bare_spawn"] = round(best["bare"] / best["sandbox"], 3)
+    out = {"isolation": level, "n": ns.n, "repeats": ns.repeats, "python": sys.version.split()[0]}
+    ratios, bare_ms, sandbox_ms = [], [], []
+    for _ in range(ns.repeats):
+        b, s = [], []
+        for _ in range(ns.n):
+            b.append(timed(bare_spawn))
+            s.append(timed(sandboxed))
+        bare_ms.append(statistics.median(b) * 1000)
+        sandbox_ms.append(statistics.median(s) * 1000)
+        ratios.append(sandbox_ms[-1] / bare_ms[-1])
+    out["median_call_ms"] = {"bare": round(statistics.median(bare_ms), 2),
+                             "sandbox": round(statistics.median(sandbox_ms), 2)}
+    out["overhead_ratios"] = [round(r, 3) for r in ratios]
+    out["overhead_vs_bare_spawn"] = round(statistics.median(ratios), 3)
     scaling = {}
     for w in (int(x) for x in ns.workers.split(",")):
         scaling[w] = round(rate(sandboxed, ns.n, w), 1)
-    base = scaling.get(1) or best["sandbox"]
+    base = scaling.get(1) or 1000 / out["median_call_ms"]["sandbox"]
     out["pool_per_s"] = scaling
     out["pool_speedup"] = {w: round(r / base, 2) for w, r in scaling.items()}
     batch = [(f"def f(x):\n    return x * {i}", [f"assert f(2) == {2 * i}"]) for i in range(64)]
