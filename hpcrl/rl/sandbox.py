@@ -3,9 +3,12 @@ workers import it through hpcrl.rl.rewards).
 
 One sample = one process tree, started as an argv list (no shell):
 
-    [unshare --mount --net --pid --fork --kill-child --mount-proc --ipc --uts]  python -I -S -c HARNESS
+    [unshare --user --map-root-user --mount ... (userns only)]  python -I -S -c BOOT
 
-The harness (pid 1 of its namespaces) reads {code, tests, limits} on stdin, puts private tmpfs
+BOOT reads the harness's code object (marshal) from stdin and runs it; the harness reads
+{code, tests, limits} after it. As root it unshares mount, network, pid, ipc and uts namespaces
+itself and forks: the child is pid 1 of them (util-linux's `unshare --fork --kill-child
+--mount-proc` did this before at the cost of one more exec). The harness (pid 1) puts private tmpfs
 mounts over /tmp, /var/tmp and /dev/shm, then forks a worker that switches to uid/gid `nobody`
 (when the trainer runs as root), sets rlimits (CPU s, address space, file size, open files,
 processes, no core), moves into a fresh directory that is its cwd, HOME and TMPDIR, clears the
