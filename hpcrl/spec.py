@@ -17,7 +17,8 @@ from .paths import site_configs_dir, user_sites_dir
 
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Names that look like credentials: they must come from the user's environment, never a file.
-SECRET_RE = re.compile(r"(TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
+# Whole words of the name only: TOKENIZERS_PARALLELISM (which TinyZero sets) is no secret.
+SECRET_RE = re.compile(r"(?:^|_)(?:TOKENS?|API_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?:_|$)", re.I)
 
 SPEC_DEFAULTS = {
     "name": None,
