@@ -289,7 +289,7 @@ class Supervisor:
         deadline = deadline_of(self.env)
         if step is not None and step != self.last_ckpt:
             self.last_ckpt = step
-            if deadline is not None and should_stop(self.opts, deadline - time.time(), self.times):
+            if not self.stopped_for_continue and deadline is not None and should_stop(self.opts, deadline - time.time(), self.times):
                 print(f"hpcrl: verl saved step {step}; the next save would not fit before the "
                       f"deadline: stopping verl for continuation", file=sys.stderr, flush=True)
                 self.stopped_for_continue = True
