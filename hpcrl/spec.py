@@ -420,9 +420,7 @@ def _trainer_python(site: dict) -> str | None:
     where = f"site '{site.get('name')}': trainer_python (--set site.trainer_python=PATH)"
     if not isinstance(value, str) or not value.strip() or "\n" in value or "\0" in value:
         raise SiteError(f"{where}: expected the path of a Python interpreter, got {value!r}")
-    from .render import expand_path
-
-    path = expand_path(value, site, "trainer_python")
+    path = os.path.expanduser(os.path.expandvars(value))  # an unset $VAR stays, and submit says "no such file"
     return os.path.abspath(path) if "/" in path else path
 
 
