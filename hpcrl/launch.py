@@ -26,7 +26,7 @@ from pathlib import Path
 from . import lifecycle, protocol, runs
 from .atomicio import atomic_write_json, atomic_write_text
 from .backends import for_site
-from .errors import BackendError, RunError
+from .errors import BackendError, RunError, SiteError
 from .lifecycle import Cancel, Queue, Stop
 from .paths import hpcrl_home
 from .render import ScriptParts, expand_path, render_script, venv_path
@@ -59,6 +59,8 @@ def _site_backend(resolved: dict):
 
 def requirements(resolved: dict) -> list[str]:
     spec, site = resolved["spec"], resolved["site"]
+    if site.get("trainer_python"):
+        return []  # the user's own interpreter: nothing to install
     return list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"])
 
 
@@ -142,8 +144,53 @@ def create_run(resolved: dict, run_id: str | None = None) -> Run:
     return Run(run_dir)
 
 
+# Prints the version of a distribution without importing it (verl's __init__ imports ray and torch).
+_PROBE = ("import sys\nfrom importlib import metadata\ntry:\n    print(metadata.version(sys.argv[1]))\n"
+          "except metadata.PackageNotFoundError:\n    sys.exit(3)\n")
+
+
+def check_trainer_python(resolved: dict, warn=None) -> None:
+    """site.trainer_python must exist and have the trainer's package (a one-line SiteError);
+    another version than the pinned one is only a warning. Checked where the job will look: on
+    a site whose jobs see this machine's filesystem."""
+    import shutil as sh
+    import subprocess
+
+    site, trainer = resolved["site"], get_trainer(resolved["spec"]["trainer"])
+    path = site.get("trainer_python")
+    if not path or not for_site(site).jobs_share_this_environment:
+        return
+    where = f"site '{site['name']}': trainer_python {path}"
+    found = sh.which(path)
+    if found is None:
+        raise SiteError(f"{where}: {'no such file' if not os.path.exists(path) else 'not an executable'}; "
+                        f"give the python of the environment that has the trainer (--set site.trainer_python=PATH)")
+    if not trainer.package:
+        return
+    try:
+        out = subprocess.run([found, "-c", _PROBE, trainer.package], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SiteError(f"{where}: cannot run it ({e.__class__.__name__})") from None
+    if out.returncode == 3:
+        pin = f"=={trainer.package_version}" if trainer.package_version else ""
+        raise SiteError(f"{where}: has no '{trainer.package}' installed, which trainer '{trainer.name}' needs; "
+                        f"pip install '{trainer.package}{pin}' into it or point to another interpreter")
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SiteError(f"{where}: does not run as a Python interpreter ({tail})")
+    version = out.stdout.strip()
+    if trainer.package_version and version != trainer.package_version:
+        (warn or _warn)(f"site.trainer_python has {trainer.package} {version}, not the {trainer.package_version} "
+                        f"hpcrl was checked against; the run may still work")
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def submit(resolved: dict, run_id: str | None = None) -> Run:
     backend = _site_backend(resolved)
+    check_trainer_python(resolved)
     run = create_run(resolved, run_id)
     try:
         with run.locked() as state:

@@ -45,8 +45,9 @@ def _expandvars(value: str, env: dict) -> str:
 
 
 def venv_path(site: dict, requirements: list[str]) -> str | None:
-    """The venv for this requirement set: venv_root/<hash of python + sorted requirements>."""
-    if not site.get("venv_root") or not requirements:
+    """The venv for this requirement set: venv_root/<hash of python + sorted requirements>
+    (none when the site names a ready trainer_python)."""
+    if not site.get("venv_root") or not requirements or site.get("trainer_python"):
         return None
     key = "\n".join([str(site.get("python")), *sorted(requirements)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -87,7 +88,8 @@ def render_script(p: ScriptParts) -> str:
         run_dir=str(lay.root), ckpt_dir=str(lay.checkpoints), metrics=str(lay.metrics),
         checkpointing_flag=lay.checkpointing_flag.name, rc_prefix=lay.trainer_rc("").name,
         hpcrl_python=p.hpcrl_python, hpcrl_src=str(lay.lib), job_id_line=p.job_id_line,
-        modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv, python=site.get("python") or "python3",
+        modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv,
+        trainer_python=site.get("trainer_python"), python=site.get("python") or "python3",
         requirements_file=str(lay.requirements), env=env, nothing_to_do=int(p.nothing_to_do),
         exit_continue=int(p.exit_continue),
         bootstrap=p.bootstrap, command=command_line(p.command), forward_usr1=p.forward_usr1,

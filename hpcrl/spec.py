@@ -17,7 +17,8 @@ from .paths import site_configs_dir, user_sites_dir
 
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Names that look like credentials: they must come from the user's environment, never a file.
-SECRET_RE = re.compile(r"(TOKEN|API_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
+# Whole words of the name only: TOKENIZERS_PARALLELISM (which TinyZero sets) is no secret.
+SECRET_RE = re.compile(r"(?:^|_)(?:TOKENS?|API_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?:_|$)", re.I)
 
 SPEC_DEFAULTS = {
     "name": None,
@@ -59,6 +60,8 @@ SITE_DEFAULTS = {
     "kill_grace_s": 30,
     "scheduler_flags": {},
     "hpcrl_python": None,
+    # a ready interpreter for the trainer (the user's own verl venv): no venv is built
+    "trainer_python": None,
     # what the allocation is charged per node-hour used (`status` shows the charge); null: not said
     "charge_factor": None,
 }
@@ -404,7 +407,21 @@ def _validate_site(site: dict, hours: float) -> dict:
     site["setup"] = _str_list(site.get("setup"), f"site '{name}': setup")
     site["env"] = validate_env(site.get("env"), f"site '{name}': env")
     site["scheduler_flags"] = validate_scheduler_flags(site.get("scheduler_flags"), f"site '{name}': scheduler_flags")
+    site["trainer_python"] = _trainer_python(site)
     return site
+
+
+def _trainer_python(site: dict) -> str | None:
+    """site.trainer_python as the job will run it: $VARS and ~ expanded here, a relative path made
+    absolute (the job runs in the run directory); a bare name is looked up on the job's PATH."""
+    value = site.get("trainer_python")
+    if value is None:
+        return None
+    where = f"site '{site.get('name')}': trainer_python (--set site.trainer_python=PATH)"
+    if not isinstance(value, str) or not value.strip() or "\n" in value or "\0" in value:
+        raise SiteError(f"{where}: expected the path of a Python interpreter, got {value!r}")
+    path = os.path.expanduser(os.path.expandvars(value))  # an unset $VAR stays, and submit says "no such file"
+    return os.path.abspath(path) if "/" in path else path
 
 
 def _missing_site_value(site: dict, key: str) -> str:
@@ -490,4 +507,8 @@ def _finish(spec: dict, site: dict) -> dict:
     spec["scheduler_flags"] = validate_scheduler_flags(spec.get("scheduler_flags"), "scheduler_flags")
     spec["args"] = trainer.validate_args(_mapping(spec.get("args"), "args"))
     site = _validate_site(site, spec["budget"]["hours"])
+    if site["trainer_python"] and spec["requirements"]:
+        raise SpecError(f"requirements: {spec['requirements']!r} are not installed when site.trainer_python is set "
+                        f"(hpcrl builds no venv then); install them into {site['trainer_python']}'s environment "
+                        f"and remove them here")
     return {"spec": spec, "site": site}

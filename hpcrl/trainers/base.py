@@ -58,6 +58,10 @@ class Trainer:
     obeys_protocol = True
     # The oldest Python the trainer's requirements install on (`hpcrl doctor` checks the site's).
     python_min = (3, 10)
+    # What a site.trainer_python must have installed (distribution name), and the version hpcrl
+    # pins (another one is a warning at submit); None: hpcrl's own code is enough.
+    package: str | None = None
+    package_version: str | None = None
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

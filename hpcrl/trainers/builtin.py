@@ -25,6 +25,7 @@ VLLM_REQUIREMENTS = ["vllm==0.24.0", "torch==2.11.0", "transformers==5.9.0", "to
 class BuiltinTrainer(Trainer):
     name = "builtin"
     schema = SCHEMA
+    package, package_version = "torch", None
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS

@@ -59,6 +59,7 @@ SCHEMA = Schema("maxtext", [
 class MaxTextTrainer(Trainer):
     python_min = (3, 12)  # maxtext[tpu-post-train] needs Python >= 3.12 on the VM
     name = "maxtext"
+    package, package_version = "maxtext", MAXTEXT_VERSION
     obeys_protocol = False  # exits 0 when done; a walltime kill is a continuation if a checkpoint advanced
     schema = SCHEMA
 

@@ -141,6 +141,7 @@ class VerlTrainer(Trainer):
     name = "verl"
     obeys_protocol = True  # through verl/launch.py: exit 0 complete, 85 continue
     schema = SCHEMA
+    package, package_version = "verl", VERL_VERSION
 
     # ------------------------------------------------------------ validation
 

@@ -36,12 +36,16 @@ from pathlib import Path
 # The walltime protocol's names (hpcrl/protocol.py), repeated: this file runs in the job's own
 # interpreter, which may not have hpcrl; tests/test_verl.py keeps them equal.
 EXIT_CONTINUE = 85
+EXIT_UNSAVED_END = 1  # a failure: the run must not read COMPLETED without its last steps saved
 ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SEGMENT", "HPCRL_DEADLINE", "HPCRL_METRICS"
 TRACKER = "latest_checkpointed_iteration.txt"
 ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 ESI_SAVE_S = 60  # verl's should_save_ckpt_esi(save_ckpt_duration=60) default
 METRICS_DIR = "verl-metrics"
-POLL_S = 10.0
+# Inside its deadline window verl force-saves at EVERY step (checkpoint_manager.py
+# should_save_ckpt_esi is not one-shot), so each poll interval past the first deadline save costs
+# a whole checkpoint write per step: poll often (a stat and a small read).
+POLL_S = 1.0
 STOP_GRACE_S = 60.0
 # verl metric -> hpcrl metrics.jsonl key (what `status` shows)
 METRIC_KEYS = {
@@ -219,6 +223,19 @@ def prune_checkpoints(ckpt_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def unsaved_end(trained: int | None, saved: int | None) -> int:
+    """verl exited 0: complete only if its last trained step is in a checkpoint. When
+    trainer.total_training_steps exceeds epochs x batches verl's loop ends by running out of
+    epochs, skips its is_last_step save and still exits 0: the end of training would be lost."""
+    if trained is None or (saved is not None and saved >= trained):
+        return 0
+    print(f"hpcrl: verl ended at step {trained} but its newest checkpoint is step {saved}: the last "
+          f"{trained - (saved or 0)} steps are not saved (its loop ran out of epochs before "
+          f"total_training_steps; set args.total_training_steps to at most epochs x batches per epoch, "
+          f"or leave it null)", file=sys.stderr, flush=True)
+    return EXIT_UNSAVED_END
+
+
 def hpcrl_record(rec: dict) -> dict:
     out = {"step": rec.get("step"), "trainer": "verl"}
     for src, dst in METRIC_KEYS.items():
@@ -272,11 +289,17 @@ class Supervisor:
         deadline = deadline_of(self.env)
         if step is not None and step != self.last_ckpt:
             self.last_ckpt = step
-            if deadline is not None and should_stop(self.opts, deadline - time.time(), self.times):
+            if not self.stopped_for_continue and deadline is not None and should_stop(self.opts, deadline - time.time(), self.times):
                 print(f"hpcrl: verl saved step {step}; the next save would not fit before the "
                       f"deadline: stopping verl for continuation", file=sys.stderr, flush=True)
                 self.stopped_for_continue = True
                 self.stop()
+
+    def last_trained_step(self) -> int | None:
+        """The highest step verl logged a training step for in this segment (step 0 = validation)."""
+        records, _ = read_verl_metrics(self.metrics_file)
+        steps = [r["step"] for r in records if isinstance(r.get("step"), int) and "timing_s/step" in r["data"]]
+        return max(steps) if steps else None
 
     def run(self) -> int:
         Path(self.metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -286,8 +309,11 @@ class Supervisor:
         while self.proc.poll() is None:
             time.sleep(POLL_S)
             self.poll_once()
+        self.poll_once()
         if self.stopped_for_continue:
             return EXIT_CONTINUE
+        if self.proc.returncode == 0:
+            return unsaved_end(self.last_trained_step(), read_tracker(Path(self.opts.ckpt_dir)))
         return self.proc.returncode if self.proc.returncode >= 0 else 128 - self.proc.returncode
 
 

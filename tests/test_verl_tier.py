@@ -1,0 +1,214 @@
+"""verl tier: verl 0.9.1's own trainer (TinyZero's `main_ppo`) run through `hpcrl submit --site
+local`, across walltime segments, on this CPU machine.
+
+The venv is scripts/verl-venv's (built once, cached outside the checkout by the hash of its pins;
+the tier skips with the reason when it cannot be built). hpcrl runs verl with it exactly as a
+user's own venv: `--set site.trainer_python=...`. What the CPU needs is user configuration only:
+Hydra overrides, environment, and verl's own plugin hook loading the GPU-platform TEST DOUBLE in
+tests/verl_cpu/ (VERL_USE_EXTERNAL_MODULES). Assertions are on files (verl's tracker,
+global_step_N, metrics), never on log lines (verl's console loses lines at SIGTERM).
+
+Sized small (notes/verl-cpu.md: start to step 1 ~55 s, later steps 0.6-2 s); one verl run at a
+time (uses_ray: the lock the Ray tests share; memory is shared too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, hpcrl, wait_for_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.uses_ray]
+DOUBLE_DIR = ROOT / "tests" / "verl_cpu"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+# What verl needs on a CPU (each measured in notes/verl-cpu.md), as a user passes it.
+CPU_OVERRIDES = [
+    "+ray_kwargs.ray_init.num_gpus=1",  # verl counts only GPU resources: a fake one
+    "+ray_kwargs.ray_init.address=local",  # never join another Ray on this machine
+    "trainer.device=cpu", "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.agent.num_workers=1",
+    "reward.num_workers=1", "data.dataloader_num_workers=0",
+    "actor_rollout_ref.model.use_remove_padding=False", "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+    "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False", "actor_rollout_ref.rollout.dtype=float32",
+    "actor_rollout_ref.rollout.max_model_len=128", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+    "actor_rollout_ref.rollout.free_cache_engine=False",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+]
+CPU_ENV = {
+    "VERL_USE_EXTERNAL_MODULES": "hpcrl_test_cpu_platform_double", "HPCRL_TEST_CPU_DOUBLE": "1",
+    "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+}
+# 64 rows at 4 prompts a step: 16 steps an epoch; 4 responses of 16 tokens each
+TINY_ARGS = {
+    "train_batch_size": 4, "ppo_mini_batch_size": 4, "micro_batch_size_per_gpu": 4,
+    "log_prob_micro_batch_size_per_gpu": 4, "ref_log_prob_micro_batch_size_per_gpu": 4, "rollout_n": 4,
+    "max_prompt_length": 32, "max_response_length": 16, "rollout_tp": 1, "test_freq": -1, "save_time_s": 2,
+    "logger": "console", "max_ckpt_to_keep": 2, "val_batch_size": None,
+}
+STEPS_PER_EPOCH = 16
+
+
+@pytest.fixture(scope="session")
+def verl_python():
+    proc = subprocess.run([str(ROOT / "scripts" / "verl-venv")], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        pytest.skip(f"verl tier: the verl venv cannot be built here: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny Llama with a chat template (verl applies one to every prompt) and tiny Countdown data."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("verl-tiny")
+    hpcrl("data", "countdown", "--out", out / "data", "--train", "64", "--test", "8", "--template", "tiny",
+          "--max-number", "20", "--max-target", "50")
+    hpcrl("model", "tiny", "--out", out / "model", "--hidden-size", "128", "--layers", "2", "--heads", "4",
+          "--max-int", "100")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(out / "model")
+    return out
+
+
+def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_segments=4):
+    spec = tmp_path / f"{name}.yaml"
+    hpcrl("init", "--recipe", recipe, "--out", spec)
+    sets = {"site.trainer_python": verl_python, "args.model": tiny / "model",
+            "args.train_files": tiny / "data" / "train.parquet", "args.val_files": tiny / "data" / "test.parquet",
+            "resources.gpus_per_node": 1, "resources.cpus_per_task": 8, "resources.mem_gb": "null",
+            "budget.hours_min": "null", "env.RAY_TMPDIR": f"/tmp/hpcrl-vt-{os.getpid()}-{name}",
+            "args.overrides": json.dumps(CPU_OVERRIDES)}
+    sets.update({f"args.{k}": ("null" if v is None else v) for k, v in {**TINY_ARGS, **args}.items()})
+    sets.update({f"env.{k}": v for k, v in CPU_ENV.items()})
+    argv = ["submit", spec, "--site", "local", "--name", name, "--hours", hours, "--total-hours", "2",
+            "--max-segments", max_segments]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    # the double's folder on the job's PYTHONPATH, exported by the submitting user (jobs inherit it)
+    pythonpath = os.pathsep.join([str(DOUBLE_DIR), os.environ.get("PYTHONPATH", str(ROOT))])
+    hpcrl(*argv, env={"PYTHONPATH": pythonpath})
+
+
+def segment_metrics(run_dir: Path, segment: int) -> list[dict]:
+    path = run_dir / "verl-metrics" / f"segment-{segment:03d}.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def trained_steps(records) -> list[int]:
+    return [r["step"] for r in records if "timing_s/step" in r["data"]]
+
+
+def ray_processes() -> list[str]:
+    """Processes of this test process's verl runs still alive: each run's RAY_TMPDIR is in the
+    environment of every Ray process it started (other Ray users on the machine are not ours)."""
+    tag = f"RAY_TMPDIR=/tmp/hpcrl-vt-{os.getpid()}-".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and tag in (proc / "environ").read_bytes():
+                found.append(f"{proc.name} {(proc / 'cmdline').read_bytes()[:120]!r}")
+        except OSError:
+            continue
+    return found
+
+
+def test_grpo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, tmp_path):
+    from hpcrl.runs import Run
+
+    # 8 epochs = 128 steps: more than fit before segment 1's deadline window (60 s + slowest step + 2)
+    submit("vgrpo", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.05,
+           args={"total_epochs": 8, "save_freq": 1000})
+    state = wait_for_run("vgrpo", timeout=1500, poll=2)
+    run = Run.by_id("vgrpo")
+    segs = [s for s in state["segments"] if s.get("rc") is not None]
+    assert state["state"] == "COMPLETED", state
+    assert len(segs) >= 2 and all(s["rc"] == 85 for s in segs[:-1]) and segs[-1]["rc"] == 0, segs
+    steps, seen_val = [], []
+    for n in range(1, len(segs) + 1):
+        records = segment_metrics(run.dir, n)
+        seen_val.append(any(r["step"] == 0 and "val-core/countdown/acc/mean@1" in r["data"] for r in records))
+        mine = trained_steps(records)
+        if steps:
+            # the tracker named the last step of the previous segment; this one starts right after
+            assert mine[0] == steps[-1] + 1, (n, mine[:3], steps[-3:])
+        steps += mine
+    assert steps == list(range(1, 8 * STEPS_PER_EPOCH + 1))
+    assert seen_val[0] and not any(seen_val[1:]), "validation before training in segment 1 only"
+    ckpt = run.layout.checkpoints
+    assert (ckpt / TRACKER).read_text().strip() == str(8 * STEPS_PER_EPOCH)
+    assert (ckpt / f"global_step_{8 * STEPS_PER_EPOCH}" / "actor").is_dir()
+    assert not ray_processes(), ray_processes()
+
+
+def test_more_steps_than_the_data_holds_is_not_completed(home, verl_python, tiny, tmp_path):
+    # verl's loop runs out of epochs at step 16 without its last-step save and exits 0: the
+    # launcher must not let that read COMPLETED (issue 12's 40 lost steps)
+    submit("vgap", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.1,
+           args={"total_epochs": 1, "total_training_steps": 20, "save_freq": 5}, max_segments=1)
+    state = wait_for_run("vgap", timeout=900, poll=2)
+    from hpcrl.runs import Run
+
+    run = Run.by_id("vgap")
+    assert state["state"] != "COMPLETED", state
+    assert max(trained_steps(segment_metrics(run.dir, 1))) == STEPS_PER_EPOCH
+    assert int((run.layout.checkpoints / TRACKER).read_text()) < STEPS_PER_EPOCH
+    assert not ray_processes(), ray_processes()
+
+
+def job_processes(script: Path, name: str) -> list[int]:
+    """The segment's batch shell (bash RUN/job.sh) and everything it started: the launcher, verl
+    and Ray (each has the run's RAY_TMPDIR in its environment, whatever session Ray put it in)."""
+    tag = f"RAY_TMPDIR=/tmp/hpcrl-vt-{os.getpid()}-{name}\0".encode()
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (tag in (proc / "environ").read_bytes()
+                                        or (proc / "cmdline").read_bytes() == b"bash\0" + bytes(script) + b"\0"):
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
+def test_hard_kill_resumes_from_the_last_periodic_checkpoint(home, verl_python, tiny, tmp_path):
+    import signal
+
+    from helpers import wait_until
+    from hpcrl.runs import Run
+
+    # GRPO: the PPO recipe's critic does not start on CPU yet (it still asks for flash-attention 2)
+    submit("vkill", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.25,
+           args={"total_epochs": 2, "save_freq": 4})
+    run = Run.by_id("vkill")
+    # no deadline near: only save_freq saves; kill once a checkpoint exists and steps ran past it
+    wait_until(lambda: (run.layout.checkpoints / TRACKER).exists()
+               and max(trained_steps(segment_metrics(run.dir, 1)) or [0]) >= 10, 600, "step 10 of segment 1",
+               poll=1)
+    pids = job_processes(run.layout.script, "vkill")
+    assert len(pids) > 3, pids
+    for pid in pids:  # a node failure: no signal the trainer could act on
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    killed_at = int((run.layout.checkpoints / TRACKER).read_text())
+    wait_until(lambda: not ray_processes(), 120, "Ray's processes to go after the kill", poll=1,
+               describe=lambda: ray_processes())
+    state = wait_for_run("vkill", timeout=900, poll=2)
+    assert state["state"] == "COMPLETED", state
+    second = trained_steps(segment_metrics(run.dir, 2))
+    assert second[0] == killed_at + 1 and second[-1] == 2 * STEPS_PER_EPOCH, second
+    assert (run.layout.checkpoints / f"global_step_{2 * STEPS_PER_EPOCH}" / "actor").is_dir()
+    assert not ray_processes(), ray_processes()
