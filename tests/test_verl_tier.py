@@ -124,6 +124,14 @@ def ray_processes() -> list[str]:
     return found
 
 
+def no_ray_left():
+    # verl's driver exits before Ray has reaped its actors (a ray::TaskRunner outlived a COMPLETED
+    # run by a few seconds here): every process of the run must be gone soon after, not at once
+    from helpers import wait_until
+
+    wait_until(lambda: not ray_processes(), 60, "the run's Ray processes to exit", poll=1, describe=ray_processes)
+
+
 def test_grpo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, tmp_path):
     from hpcrl.runs import Run
 
@@ -149,7 +157,7 @@ def test_grpo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny,
     ckpt = run.layout.checkpoints
     assert (ckpt / TRACKER).read_text().strip() == str(8 * STEPS_PER_EPOCH)
     assert (ckpt / f"global_step_{8 * STEPS_PER_EPOCH}" / "actor").is_dir()
-    assert not ray_processes(), ray_processes()
+    no_ray_left()
 
 
 def test_more_steps_than_the_data_holds_is_not_completed(home, verl_python, tiny, tmp_path):
@@ -164,7 +172,7 @@ def test_more_steps_than_the_data_holds_is_not_completed(home, verl_python, tiny
     assert state["state"] != "COMPLETED", state
     assert max(trained_steps(segment_metrics(run.dir, 1))) == STEPS_PER_EPOCH
     assert int((run.layout.checkpoints / TRACKER).read_text()) < STEPS_PER_EPOCH
-    assert not ray_processes(), ray_processes()
+    no_ray_left()
 
 
 def job_processes(script: Path, name: str) -> list[int]:
@@ -204,11 +212,10 @@ def test_hard_kill_resumes_from_the_last_periodic_checkpoint(home, verl_python, 
         except ProcessLookupError:
             pass
     killed_at = int((run.layout.checkpoints / TRACKER).read_text())
-    wait_until(lambda: not ray_processes(), 120, "Ray's processes to go after the kill", poll=1,
-               describe=lambda: ray_processes())
+    # (the successor starts at once with the same RAY_TMPDIR: leftovers are checked once the run ends)
     state = wait_for_run("vkill", timeout=900, poll=2)
     assert state["state"] == "COMPLETED", state
     second = trained_steps(segment_metrics(run.dir, 2))
     assert second[0] == killed_at + 1 and second[-1] == 2 * STEPS_PER_EPOCH, second
     assert (run.layout.checkpoints / f"global_step_{2 * STEPS_PER_EPOCH}" / "actor").is_dir()
-    assert not ray_processes(), ray_processes()
+    no_ray_left()
