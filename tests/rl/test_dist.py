@@ -12,6 +12,10 @@ rounding and far below any real difference (a wrong normalisation or a different
 them by a large part of that change in one step).
 """
 
+import os
+import shutil
+import signal
+import subprocess
 import time
 
 import pytest
@@ -20,7 +24,7 @@ from safetensors.torch import load_file
 from hpcrl import protocol
 from hpcrl.ckptstore import CheckpointStore, checkpoint_name
 
-from helpers import read_metrics, wait_for_step
+from helpers import read_metrics, wait_for_step, wait_until
 from rl_helpers import DIST_ARGS, exit_file_code, run_trainer, start_torchrun, write_config
 
 TOTAL = 8  # 2 warm-up + 6 RL steps (DIST_ARGS)
@@ -152,3 +156,88 @@ def test_deadline_stops_both_ranks(tmp_path):
     done = steps(run_dir)
     saved = CheckpointStore(run_dir / "checkpoints").latest_step()
     assert saved == (max(done) if done else None)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs for the checkpoints (we run as root in CI; elsewhere the test is skipped)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_a_save_keeps_the_last_checkpoint(one_rank, base_params, tmp_path, small_disk):
+    """ENOSPC in a save of a 2-rank run: the previous checkpoint stays valid, the partial one is
+    gone, the segment fails with 'disk full at PATH' (stderr and RUN_DIR/trainer_error.txt), and a
+    rerun once space is freed resumes from the previous checkpoint and matches the straight run."""
+    run_dir = tmp_path / "full"
+    write_config(run_dir, **DIST_ARGS)
+    ckpt = small_disk / "checkpoints"
+    proc = start_torchrun(run_dir, step_delay_s=0.5, HPCRL_CKPT_DIR=ckpt)
+    wait_until(lambda: CheckpointStore(ckpt).latest_step() == 2, 120, "checkpoint 2", proc=proc)
+    free = shutil.disk_usage(small_disk).free
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # leave far less than one checkpoint (~400 KB) free
+        f.write(b"\0" * max(0, free - 64 * 1024))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert f"hpcrl.rl: error: disk full at {ckpt}" in err
+    assert (run_dir / "trainer_error.txt").read_text().startswith(f"disk full at {ckpt}")
+    store = CheckpointStore(ckpt)
+    assert store.find_latest()[0] == 2  # intact (find_latest checks the manifest)
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".")] == []  # no partial directory left
+    filler.unlink()
+    rc, out, err = run_torchrun(run_dir, segment=2, HPCRL_CKPT_DIR=ckpt)
+    assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
+    assert f"at step 2 of {TOTAL}" in out
+    assert not (run_dir / "trainer_error.txt").exists()
+    assert_same_steps(one_rank, run_dir)
+    found = CheckpointStore(ckpt).find_latest()
+    assert_close_params(params(one_rank), load_file(found[1] / "model.safetensors"), base_params)
+
+
+def worker_pids(launcher_pid: int) -> dict:
+    """rank -> pid of torchrun's worker processes (its children, RANK from their environment)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            env = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for var in env:
+            if var.startswith(b"RANK="):
+                out[int(var[5:])] = int(entry)
+    return out
+
+
+def test_kill_9_of_one_rank_ends_the_segment_and_a_rerun_resumes(one_rank, base_params, tmp_path):
+    run_dir = tmp_path / "killed"
+    write_config(run_dir, **DIST_ARGS)
+    proc = start_torchrun(run_dir, step_delay_s=0.5)
+    wait_until(lambda: CheckpointStore(run_dir / "checkpoints").latest_step() == 4, 120, "checkpoint 4", proc=proc)
+    ranks = wait_until(lambda: len(w := worker_pids(proc.pid)) == 2 and w, 30, "two workers")
+    t0 = time.monotonic()
+    os.kill(ranks[1], signal.SIGKILL)
+    # the hang guard is far below the process group's 300 s timeout: a dead peer must not wait for it
+    out, err = proc.communicate(timeout=90)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    print(f"kill -9 of rank 1 -> torchrun exit {proc.returncode} after {took:.1f} s")
+    assert exit_file_code(run_dir) is None
+    saved = CheckpointStore(run_dir / "checkpoints").find_latest()[0]
+    assert saved >= 4
+    rc, out, err = run_torchrun(run_dir, segment=2)
+    assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
+    assert f"at step {saved} of {TOTAL}" in out
+    assert_same_steps(one_rank, run_dir)
+    assert_close_params(params(one_rank), params(run_dir), base_params)
