@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import time
 
 import torch
 
@@ -36,6 +37,7 @@ class Dist:
                  device_name: str = "auto"):
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.enabled = world > 1
+        self.comm_s = 0.0  # wall time inside collectives (includes waiting for slower ranks)
         if not self.enabled:
             return
         import torch.distributed as dist
@@ -83,14 +85,18 @@ class Dist:
         if not self.enabled:
             return list(values)
         t = self._tensor(values)
+        t0 = time.monotonic()
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        self.comm_s += time.monotonic() - t0
         return t.tolist()
 
     def sum(self, values: list) -> list:
         if not self.enabled:
             return list(values)
         t = self._tensor(values)
+        t0 = time.monotonic()
         self._dist.all_reduce(t)
+        self.comm_s += time.monotonic() - t0
         return t.tolist()
 
     def agree_stop(self, reason: str | None) -> str | None:
@@ -104,7 +110,9 @@ class Dist:
         if not self.enabled:
             return [obj]
         out = [None] * self.world
+        t0 = time.monotonic()
         self._dist.all_gather_object(out, obj)
+        self.comm_s += time.monotonic() - t0
         return out
 
     def barrier(self) -> None:
@@ -135,7 +143,9 @@ class Dist:
 
     def _reduce_bucket(self, bucket) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        t0 = time.monotonic()
         self._dist.all_reduce(flat)
+        self.comm_s += time.monotonic() - t0
         offset = 0
         for p in bucket:
             n = p.grad.numel()

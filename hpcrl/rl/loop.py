@@ -39,6 +39,10 @@ class RLTrainer:
             torch.set_num_threads(int(cfg["threads"]))
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         self.dist = Dist.from_env(cfg)
+        if self.dist.enabled and cfg["parallel"] == "fsdp":
+            self.dist.close()
+            raise ValueError("args.parallel: fsdp (sharded parameters) is not built yet; every rank holds the "
+                             "whole model and optimizer: use ddp or auto")
         if cfg["batch_size"] < self.dist.world:
             raise ValueError(f"args.batch_size = {cfg['batch_size']} is less than the {self.dist.world} ranks: "
                              "every rank needs at least one prompt (whole groups per rank)")
@@ -130,7 +134,8 @@ class RLTrainer:
             if self.cfg["save_every"] and self.step % self.cfg["save_every"] == 0 and self.step < self.total:
                 self._save(background=None)
             if self.cfg["eval_every"] and self.step % self.cfg["eval_every"] == 0 and self.step < self.total:
-                self._evaluate("eval")
+                if self._evaluate("eval") is None:  # a stop cut it short (the step itself is done)
+                    return self._stop_exit()
         return self._finish()
 
     def _finish(self) -> int:
@@ -158,7 +163,8 @@ class RLTrainer:
             self._collective(self.ckpt.wait)
         self._close_checkpoints()
         self._say(f"stopping at step {self.step} ({reason}); checkpoint at step "
-                  f"{self.saved_step}; exit {protocol.EXIT_CONTINUE} for the next segment; "
+                  f"{self.saved_step}{f' (save {self.ckpt.last_save_s:.2f} s)' if save else ''}; "
+                  f"exit {protocol.EXIT_CONTINUE} for the next segment; "
                   f"peak RSS {metrics.peak_rss_mb():.0f} MB")
         self.log.close()
         return self._exit(protocol.EXIT_CONTINUE)
@@ -194,7 +200,9 @@ class RLTrainer:
         self.saved_step = self.step
 
     def _resume(self) -> bool:
+        t0 = time.monotonic()
         _, path, state = self.ckpt.restore(self.model, self.optimizer, self.ref)
+        load_s = time.monotonic() - t0
         self.dist.barrier()  # every rank has read it before rank 0 may write (and prune) again
         if path is None:
             if state:  # a damaged checkpoint was partly read into the weights: start clean
@@ -208,13 +216,14 @@ class RLTrainer:
         self.step = self.saved_step = int(state["step"])
         self.sampler = EpochSampler(len(self.train_ids), self.cfg["seed"], **state["sampler"])
         self.rollout.sync_weights(self.model)  # a vLLM engine started from the base weights
-        self._say(f"resumed from {path} at step {self.step} of {self.total}")
+        self._say(f"resumed from {path} at step {self.step} of {self.total} (load {load_s:.2f} s)")
         return True
 
     # ------------------------------------------------------------------ steps
 
     def _one_step(self) -> bool:
         t0 = time.monotonic()
+        comm0 = self.dist.comm_s
         if self.step < self.cfg["sft_steps"]:
             record = self._sft_step()
         else:
@@ -226,6 +235,8 @@ class RLTrainer:
         self.step_s = max(dt, 0.7 * self.step_s)  # decays, but one slow step is remembered
         record.update(step=self.step, step_time_s=round(dt, 4),
                       tokens_per_s=round(record.pop("_tokens") / max(dt, 1e-9), 1))
+        if self.dist.enabled:  # time in collectives, waiting for the slowest rank included
+            record["timing_s/comm"] = round(self.dist.comm_s - comm0, 4)
         self.log.write(record)
         return True
 

@@ -241,3 +241,22 @@ def test_kill_9_of_one_rank_ends_the_segment_and_a_rerun_resumes(one_rank, base_
     assert f"at step {saved} of {TOTAL}" in out
     assert_same_steps(one_rank, run_dir)
     assert_close_params(params(one_rank), params(run_dir), base_params)
+
+
+def test_stop_during_a_long_evaluation_is_honoured_between_batches(tmp_path):
+    """An evaluation of 2 batches per rank, each taking 30 s (a test hook that asks for a stop
+    every 1.5 s, as the decoding loop does every few tokens): a stop file during it ends the
+    segment long before the evaluation would have, with the step before it saved."""
+    run_dir = tmp_path / "longeval"
+    write_config(run_dir, **{**DIST_ARGS, "eval_before": False, "eval_every": 4, "eval_batch_size": 2})
+    proc = start_torchrun(run_dir, eval_delay_s=30.0)
+    wait_until(lambda: CheckpointStore(run_dir / "checkpoints").latest_step() == 4, 120, "checkpoint 4", proc=proc)
+    t0 = time.monotonic()
+    (run_dir / "stop").touch()
+    out, err = proc.communicate(timeout=25)  # the evaluation alone would take 2 x 30 s
+    print(f"stop file during an evaluation -> exit after {time.monotonic() - t0:.1f} s")
+    assert proc.returncode == 0, err[-3000:]
+    assert exit_file_code(run_dir) == protocol.EXIT_CONTINUE
+    assert "eval abandoned: stop requested" in out and "stopping at step 4 (SIGUSR1)" in out
+    assert CheckpointStore(run_dir / "checkpoints").latest_step() == 4
+    assert not [r for r in read_metrics(run_dir) if r.get("phase") == "eval"]  # the half-done one is discarded
