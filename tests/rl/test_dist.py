@@ -260,3 +260,20 @@ def test_stop_during_a_long_evaluation_is_honoured_between_batches(tmp_path):
     assert "eval abandoned: stop requested" in out and "stopping at step 4 (SIGUSR1)" in out
     assert CheckpointStore(run_dir / "checkpoints").latest_step() == 4
     assert not [r for r in read_metrics(run_dir) if r.get("phase") == "eval"]  # the half-done one is discarded
+
+
+def test_sigterm_to_torchrun_reaches_every_rank_and_they_save_together(tmp_path):
+    """torchrun forwards TERM to its workers (and SIGKILLs them 30 s later): the ranks agree on
+    one step, save it, rank 0 writes 85 to the exit file. torchrun itself then exits 1 (it raises
+    on the signal it got), so the exit file, not torchrun's code, says the save happened."""
+    run_dir = tmp_path / "term"
+    write_config(run_dir, **{**DIST_ARGS, "total_steps": 1000})
+    proc = start_torchrun(run_dir, step_delay_s=0.5)
+    wait_for_step(run_dir, 4, 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert exit_file_code(run_dir) == protocol.EXIT_CONTINUE, err[-3000:]
+    stopped = max(steps(run_dir))
+    assert f"stopping at step {stopped} (SIGTERM)" in out
+    assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped
