@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 import threading
 import time
@@ -177,6 +178,7 @@ class Checkpointer:
 
     def _write(self, step: int, snap: dict) -> None:
         t0 = time.monotonic()
+        tmp = None
         try:
             tmp = self.store.new_tmp_dir()
             known = write_snapshot(snap, tmp, self.tokenizer)
@@ -184,6 +186,10 @@ class Checkpointer:
             # (and the trainer may exit) as soon as the pointer names the new one
             self.store.publish(tmp, step, known=known, prune_in_background=True)
         except BaseException as e:  # surfaced on the main thread by wait()
+            # the half-written directory goes at once: on a full disk it holds the space a
+            # rerun needs, and the previous checkpoint (untouched) stays the newest
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             self._error = e
         self.last_save_s = time.monotonic() - t0
 
@@ -202,6 +208,8 @@ class Checkpointer:
     def _raise_pending(self):
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, OSError):
+                raise err  # the caller names a full disk; an OSError stays one
             raise RuntimeError(f"checkpoint save failed: {err}") from err
 
     def _warn(self, message: str) -> None:

@@ -11,9 +11,13 @@ Order of one segment: [prepare model/data] -> load -> resume or evaluate-before 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
 from .. import protocol
+
+ERROR_FILE = "trainer_error.txt"  # the reason of the last failure, for `status`
 
 
 def main(argv=None) -> int:
@@ -21,6 +25,11 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="trainer.json: the spec's args (see hpcrl/schemas/builtin.py)")
     ns = parser.parse_args(argv)
     ctx = protocol.Context.from_env()
+    if (os.environ.get("RANK") or "0") == "0":  # a new attempt: the last failure's reason is history
+        try:
+            (ctx.run_dir / ERROR_FILE).unlink(missing_ok=True)
+        except OSError:
+            pass
     # Handlers go in before torch is imported: SIGUSR1's default action would kill the process.
     stop = protocol.StopFlag(ctx)
     from . import config
@@ -37,6 +46,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcrl.rl: error: {e}", file=sys.stderr)
         return 2
+    from .loop import SaveFailed
     from .tensorfile import ModelMismatch
 
     try:
@@ -45,6 +55,25 @@ def main(argv=None) -> int:
         print(f"hpcrl.rl: error: a checkpoint does not fit the model: {e} "
               "(resume with the model the run started with, or start a new run)", file=sys.stderr)
         return 2
+    except SaveFailed as e:
+        print(f"hpcrl.rl: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        where = e.filename or ctx.ckpt_dir
+        report_failure(ctx, f"disk full at {where} (the previous checkpoint is intact; free space, then resume)")
+        return 1
+
+
+def report_failure(ctx: protocol.Context, reason: str) -> None:
+    """One line on stderr (the segment log's last trainer line, which `status` shows for a failed
+    segment) and in RUN_DIR/trainer_error.txt, best effort: on a full disk that write may fail too."""
+    print(f"hpcrl.rl: error: {reason}", file=sys.stderr, flush=True)
+    try:
+        (ctx.run_dir / ERROR_FILE).write_text(reason + "\n", encoding="utf-8")
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":
