@@ -31,8 +31,9 @@ from .lifecycle import Cancel, Queue, Stop
 from .paths import hpcrl_home
 from .render import ScriptParts, expand_path, render_script, venv_path
 from .runs import Run, RunLayout
+from .spec import world_size
 from .trainers import get_trainer
-from .trainers.base import TrainerContext
+from .trainers.base import TrainerContext, torchrun_argv
 
 clock = time.time
 
@@ -78,13 +79,19 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
     trainer = get_trainer(resolved["spec"]["trainer"])
     ctx = trainer_context(resolved, run_id, layout)
     ctx.python = TRAINER_PY
+    command, ranks = trainer.command(ctx), None
+    res = resolved["spec"]["resources"]
+    if trainer.ranks is not None and world_size(res) > 1:
+        ranks = backend.rank_launch(resolved)  # one torchrun per node, and where they meet
+        command = [*ranks.prefix, *torchrun_argv(ctx.python, res["nodes"], res["ranks_per_node"], ranks.rendezvous,
+                                                 trainer.entry(ctx))]
     return render_script(ScriptParts(
         run_id=run_id, site=site, spec_env=resolved["spec"].get("env", {}), layout=layout,
         header=backend.directives(resolved, run_id, layout), job_id_line=backend.job_id_line(),
-        hpcrl_python=site.get("hpcrl_python") or sys.executable, command=trainer.command(ctx),
+        hpcrl_python=site.get("hpcrl_python") or sys.executable, command=command,
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
         venv=venv_path(site, requirements(resolved)), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
-        exit_continue=protocol.EXIT_CONTINUE))
+        exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None))
 
 
 def render(resolved: dict, run_id: str | None = None) -> str:

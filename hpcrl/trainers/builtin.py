@@ -25,6 +25,7 @@ VLLM_REQUIREMENTS = ["vllm==0.24.0", "torch==2.11.0", "transformers==5.9.0", "to
 class BuiltinTrainer(Trainer):
     name = "builtin"
     schema = SCHEMA
+    ranks = "gpu"  # torch.distributed: one rank per GPU (gloo CPU ranks where there are none)
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS
@@ -41,7 +42,10 @@ class BuiltinTrainer(Trainer):
         return int(a["sft_steps"]) + int(a["total_steps"])
 
     def command(self, ctx: TrainerContext) -> list[str]:
-        return [ctx.python, "-m", "hpcrl.rl.train", "--config", str(ctx.run_dir / "trainer.json")]
+        return [ctx.python, *self.entry(ctx)]
+
+    def entry(self, ctx: TrainerContext) -> list[str]:
+        return ["-m", "hpcrl.rl.train", "--config", str(ctx.run_dir / "trainer.json")]
 
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         # compute nodes usually have no internet: never let transformers try the hub

@@ -61,6 +61,7 @@ class MaxTextTrainer(Trainer):
     name = "maxtext"
     obeys_protocol = False  # exits 0 when done; a walltime kill is a continuation if a checkpoint advanced
     schema = SCHEMA
+    ranks_hint = "JAX on every chip of the TPU VM, the site's chips_per_vm"
 
     def validate_args(self, args: dict) -> dict:
         merged = super().validate_args(args)

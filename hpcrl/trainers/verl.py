@@ -141,6 +141,7 @@ class VerlTrainer(Trainer):
     name = "verl"
     obeys_protocol = True  # through verl/launch.py: exit 0 complete, 85 continue
     schema = SCHEMA
+    ranks_hint = "Ray workers on resources.gpus_per_node GPUs of each of resources.nodes nodes"
 
     # ------------------------------------------------------------ validation
 

@@ -1,0 +1,90 @@
+"""Two ranks under torchrun on the local backend, real processes and real signals: the segment's
+USR1 reaches the ranks as the stop file, rank 0's 85 comes back through the exit file, the chain
+goes on and completes; kill -9 of one rank takes the segment down and the successor resumes."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from helpers import hpcrl, read_metrics, run_dir, started, wait_for_run, wait_until
+
+pytest.importorskip("torch.distributed.run", reason="torchrun (torch) starts the ranks")
+
+WALL = "0.004"  # 14.4 s per segment: USR1 at ~10.4 s (lead 4 s); torchrun itself starts in ~2 s here
+
+
+def _submit(site, name, *extra):
+    return hpcrl("submit", "--site", site, "--trainer", "smoke", "--hours", WALL, "--name", name,
+                 "--set", "resources.ranks_per_node=2", *extra)
+
+
+def _ranks_of(rdir: Path) -> dict[int, int]:
+    """RANK -> pid of this run's smoke ranks (torchrun's workers) alive now."""
+    found = {}
+    config = str(rdir / "smoke.json").encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"hpcrl.trainers.smoke" not in argv or config not in argv or b"torch.distributed.run" in argv:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            found[int(env[b"RANK"])] = int(proc.name)
+    return found
+
+
+def test_two_ranks_stop_by_the_stop_file_continue_through_segments_and_complete(fast_local):
+    _submit(fast_local, "ranks2", "--set", "args.steps=70", "--set", "args.step_time_s=0.2",
+            "--set", "args.save_every=1000")
+    state = wait_for_run("ranks2", timeout=240)
+    rdir = run_dir("ranks2")
+    assert state["state"] == "COMPLETED", state
+    ran = started(state)
+    assert len(ran) >= 2, ran
+    for seg in ran[:-1]:
+        # stopped by the stop file (no periodic save: save_every is larger than the run), code 85 from the exit file
+        assert seg["state"] == "CONTINUE" and seg["rc"] == 85, seg
+    assert ran[-1]["state"] == "COMPLETE" and ran[-1]["rc"] == 0
+    for prev, nxt in zip(ran, ran[1:]):
+        assert nxt["start_step"] == prev["end_step"]
+    assert [m["step"] for m in read_metrics(rdir)] == list(range(1, 71)), "rank 0 alone writes each step once"
+    for seg in ran:
+        log = (rdir / "logs" / f"job-{seg['job_id']}.log").read_text()
+        assert "smoke: rank 0 of 2 " in log and "smoke: rank 1 of 2 " in log and "smoke: rank 1 done" in log, log
+    first = (rdir / "logs" / f"job-{ran[0]['job_id']}.log").read_text()
+    assert "USR1: checkpoint and stop (stop file for the ranks)" in first and "(SIGUSR1)" in first, first
+    assert "torch.distributed.run" in (rdir / "job.sh").read_text()
+    left = [p.name for p in rdir.iterdir() if p.name.startswith((".trainer-stop-", ".trainer-exit-", ".trainer-rc-"))]
+    assert not left, left
+
+
+def test_kill_9_of_one_rank_fails_the_segment_and_the_successor_resumes(fast_local):
+    _submit(fast_local, "rkill", "--hours", "0.02", "--set", "args.steps=40", "--set", "args.step_time_s=0.2",
+            "--set", "args.save_every=5")
+    rdir = run_dir("rkill")
+    ranks = wait_until(lambda: (lambda r: r if len(r) == 2 else None)(_ranks_of(rdir)), 60, "two ranks running")
+    wait_until(lambda: len(read_metrics(rdir)) >= 12, 60, "a periodic checkpoint and a few more steps")
+    os.kill(ranks[1], signal.SIGKILL)  # a rank dies (OOM killer, a segfault): no trap, no save
+    state = wait_for_run("rkill", timeout=180)
+    assert state["state"] == "COMPLETED", state
+    first, second = started(state)[:2]
+    # torchrun reports the dead rank as 1 (its own code, the exit file is not consulted) and ends rank 0 with
+    # it: the segment failed by itself, not by its walltime (the job's record would say TIMEOUT)
+    assert first["state"] == "FAILED" and first["rc"] == 1, first
+    # rank 0, sent TERM by torchrun, saved where it was (the smoke trainer's save is instant); a real
+    # trainer's ranks may not agree on a save with one of them gone: then the periodic one (10) is used
+    assert second["start_step"] == first["end_step"] >= 10, (first, second)
+    steps = [m["step"] for m in read_metrics(rdir)]
+    assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41))
+    assert not _ranks_of(rdir)
+    log = (rdir / "logs" / f"job-{first['job_id']}.log").read_text()
+    assert "hpcrl: trainer exited with code 1" in log, log
+    job = json.loads((rdir / ".queue" / f"{first['job_id']}.json").read_text())
+    assert (job["state"], job["exit_code"]) == ("FAILED", 1), job
