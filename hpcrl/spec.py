@@ -375,6 +375,39 @@ def _ranks_per_node(res: dict, site: dict, trainer, gpus_given: bool) -> int | N
     return ranks
 
 
+RESIZABLE = ("nodes", "ranks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb")
+
+
+def resize(resolved: dict, sets: list[str] | None, nodes: int | None = None) -> dict | None:
+    """`hpcrl resume RUN --nodes N --set resources.KEY=VALUE`: the run's resources with those
+    changes, validated as at submit against the run's frozen site and trainer (the next segment
+    runs on them; the trainer's checkpoints do not depend on the world size). None: no change."""
+    from .trainers import get_trainer
+
+    over = parse_set(sets or [])
+    bad = next((k for k in over if k != "resources"), None)
+    if bad is not None:
+        raise SpecError(f"--set {bad}.KEY: hpcrl resume changes only resources.KEY (one of {one_of(RESIZABLE)}), "
+                        f"e.g. --set resources.nodes=1; the rest of a run is frozen at submit")
+    changes = dict(_mapping(over.get("resources"), "resources"))
+    if nodes is not None:
+        changes["nodes"] = nodes
+    for key in changes:
+        if key not in RESIZABLE:
+            raise SpecError(f"resources.{key}: unknown key{did_you_mean(key, RESIZABLE)}; allowed: {one_of(RESIZABLE)}")
+    if not changes:
+        return None
+    old = resolved["spec"]["resources"]
+    res = {**old, **changes}
+    # The frozen values were derived from each other (ranks from GPUs, the GPU request from the
+    # ranks): a change of one lets the other follow it again, as at submit.
+    for a, b in (("ranks_per_node", "gpus_per_node"), ("gpus_per_node", "ranks_per_node")):
+        if a in changes and b not in changes:
+            res[b] = None
+    res = _validate_resources(res, resolved["site"], get_trainer(resolved["spec"]["trainer"]))
+    return None if res == old else res
+
+
 def world_size(resources: dict) -> int:
     """Ranks of the whole run: nodes x ranks_per_node (1 for trainers without ranks)."""
     return int(resources.get("nodes") or 1) * int(resources.get("ranks_per_node") or 1)

@@ -88,3 +88,28 @@ def test_kill_9_of_one_rank_fails_the_segment_and_the_successor_resumes(fast_loc
     assert "hpcrl: trainer exited with code 1" in log, log
     job = json.loads((rdir / ".queue" / f"{first['job_id']}.json").read_text())
     assert (job["state"], job["exit_code"]) == ("FAILED", 1), job
+
+
+def test_resume_on_another_world_size_rewrites_spec_and_script_and_continues(fast_local):
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", WALL, "--name", "grow", "--max-segments", "1",
+          "--set", "args.steps=90", "--set", "args.step_time_s=0.2", "--set", "args.save_every=1000")
+    state = wait_for_run("grow", timeout=120)
+    rdir = run_dir("grow")
+    assert state["state"] == "STOPPED" and "torch.distributed.run" not in (rdir / "job.sh").read_text()
+    before = (rdir / "spec.json").read_text(), (rdir / "job.sh").read_text()
+    for args, message in ((["--nodes", "2"], "the local site is this one machine"),
+                          (["--set", "resources.ranks_per_node=0"], "resources.ranks_per_node: must be at least 1"),
+                          (["--set", "args.steps=5"], "hpcrl resume changes only resources.KEY"),
+                          (["--set", "resources.rank=2"], "resources.rank: unknown key")):
+        r = hpcrl("resume", "grow", *args, check=False)
+        assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert ((rdir / "spec.json").read_text(), (rdir / "job.sh").read_text()) == before, "a refused resume changes nothing"
+    hpcrl("resume", "grow", "--set", "resources.ranks_per_node=2", "--max-segments", "4")
+    assert json.loads((rdir / "spec.json").read_text())["spec"]["resources"]["ranks_per_node"] == 2
+    assert "--nproc-per-node 2 --standalone" in (rdir / "job.sh").read_text()
+    state = wait_for_run("grow", timeout=180)
+    assert state["state"] == "COMPLETED", state
+    ran = started(state)
+    assert ran[1]["start_step"] == ran[0]["end_step"] > 0
+    assert "smoke: rank 1 of 2" in (rdir / "logs" / f"job-{ran[1]['job_id']}.log").read_text()
+    assert [m["step"] for m in read_metrics(rdir)] == list(range(1, 91))
