@@ -404,7 +404,9 @@ def resize(resolved: dict, sets: list[str] | None, nodes: int | None = None) -> 
     for a, b in (("ranks_per_node", "gpus_per_node"), ("gpus_per_node", "ranks_per_node")):
         if a in changes and b not in changes:
             res[b] = None
-    res = _validate_resources(res, resolved["site"], get_trainer(resolved["spec"]["trainer"]))
+    trainer = get_trainer(resolved["spec"]["trainer"])
+    res = _validate_resources(res, resolved["site"], trainer)
+    trainer.check_world(resolved["spec"]["args"], world_size(res))
     return None if res == old else res
 
 
@@ -557,5 +559,6 @@ def _finish(spec: dict, site: dict) -> dict:
     spec["requirements"] = _str_list(spec.get("requirements"), "requirements")
     spec["scheduler_flags"] = validate_scheduler_flags(spec.get("scheduler_flags"), "scheduler_flags")
     spec["args"] = trainer.validate_args(_mapping(spec.get("args"), "args"))
+    trainer.check_world(spec["args"], world_size(spec["resources"]))
     site = _validate_site(site, spec["budget"]["hours"])
     return {"spec": spec, "site": site}

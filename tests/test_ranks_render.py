@@ -115,6 +115,9 @@ def test_smoke_trainer_stays_one_process_unless_asked_and_then_runs_like_the_bui
       "--set", "args.train_files=/t.parquet", "--set", "args.val_files=/v.parquet"],
      "resources.ranks_per_node: the verl trainer starts its own workers (Ray workers on resources.gpus_per_node "
      "GPUs of each of resources.nodes nodes); leave ranks_per_node out"),
+    (["--site", "local", "--trainer", "builtin", "--set", "resources.ranks_per_node=4", "--set", "args.batch_size=2"],
+     "args.batch_size 2: fewer prompts per step than the 4 ranks (resources.nodes x ranks_per_node); raise "
+     "batch_size to at least 4 or use fewer ranks"),
     (["--site", "tpu-v5p-8", "--trainer", "maxtext", "--set", "resources.ranks_per_node=4"],
      "resources.ranks_per_node: the maxtext trainer starts its own workers"),
 ])

@@ -75,6 +75,10 @@ class Trainer:
         missing or bad values raise a one-line SpecError (hpcrl.schemas.ArgError) naming the key."""
         return self.schema.validate(args)
 
+    def check_world(self, args: dict, world: int) -> None:
+        """Trainers with `ranks`: a SpecError when the validated args cannot run on `world` ranks
+        (resources.nodes x ranks_per_node), so that submit says so instead of a failed job."""
+
     def requirements(self, args: dict, site: dict) -> list[str]:
         """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""
         return []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from ..errors import SpecError
 from ..schemas.builtin import SCHEMA
 from .base import Trainer, TrainerContext
 
@@ -26,6 +27,13 @@ class BuiltinTrainer(Trainer):
     name = "builtin"
     schema = SCHEMA
     ranks = "gpu"  # torch.distributed: one rank per GPU (gloo CPU ranks where there are none)
+
+    def check_world(self, args: dict, world: int) -> None:
+        # the ranks share a step's prompts with whole GRPO groups on one rank: a rank without a
+        # prompt would have nothing to train on
+        if world > 1 and int(args["batch_size"]) < world:
+            raise SpecError(f"args.batch_size {args['batch_size']}: fewer prompts per step than the {world} ranks "
+                            f"(resources.nodes x ranks_per_node); raise batch_size to at least {world} or use fewer ranks")
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS
