@@ -11,10 +11,25 @@ import torch
 from .. import protocol
 from ..schemas.builtin import ALGORITHMS
 from . import algos, checkpoint, data, metrics, policy, prepare, reward_mix, warmup
+from .dist import Dist, generator, stream_seed
 from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler
 
 say = metrics.say
+
+
+class _NoLog:
+    """The metrics log of a rank other than 0 (rank 0 writes the run's one metrics file)."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SaveFailed(RuntimeError):
+    """Rank 0 could not write a checkpoint (the reason is printed there); every rank stops."""
 
 
 class RLTrainer:
@@ -23,9 +38,17 @@ class RLTrainer:
         if cfg["threads"]:
             torch.set_num_threads(int(cfg["threads"]))
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
-        self.device = policy.pick_device(cfg["device"])
+        self.dist = Dist.from_env(cfg)
+        if cfg["batch_size"] < self.dist.world:
+            raise ValueError(f"args.batch_size = {cfg['batch_size']} is less than the {self.dist.world} ranks: "
+                             "every rank needs at least one prompt (whole groups per rank)")
+        self.device = self.dist.device(policy.pick_device(cfg["device"]))
+        if not self.dist.is_main:
+            self.dist.barrier()  # rank 0 builds the tiny model and the data first; the others find them
         self.model_dir = prepare.prepare_model(cfg, ctx.run_dir)
         train_path, val_path = prepare.prepare_data(cfg, ctx.run_dir)
+        if self.dist.is_main:
+            self.dist.barrier()
         self.model, self.tok = policy.load_policy(self.model_dir, self.device, cfg["dtype"])
         self.ref = self._make_ref() if cfg["beta"] > 0 else None
         self.train_ex, self.val_ex = data.load_examples(train_path), data.load_examples(val_path)
@@ -38,7 +61,8 @@ class RLTrainer:
                                            fused=self.device.type in ("cpu", "cuda"))
         self.rollout = self._make_rollout()
         self.ckpt = checkpoint.Checkpointer(ctx.ckpt_dir, cfg["keep_last"], cfg["async_save"], self.tok)
-        self.log = metrics.MetricsLog(ctx.metrics_path, ctx.run_dir, ctx.segment, cfg["wandb_project"])
+        self.log = (metrics.MetricsLog(ctx.metrics_path, ctx.run_dir, ctx.segment, cfg["wandb_project"])
+                    if self.dist.is_main else _NoLog())
         self.sampler = EpochSampler(len(self.train_ids), cfg["seed"])
         self.step = 0
         self.saved_step = None  # the checkpoint this process loaded or wrote (not the pointer: it may name a corrupt one)
@@ -65,6 +89,30 @@ class RLTrainer:
     # ------------------------------------------------------------------ segment
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.dist.close()
+
+    def _say(self, msg: str) -> None:
+        if self.dist.is_main:
+            say(msg)
+
+    def _exit(self, code: int) -> int:
+        """Every rank has finished (saved): rank 0 reports the code; all exit 0 under a launcher."""
+        self.dist.barrier()
+        if self.dist.is_main:
+            return protocol.exit_code_for_launcher(self.ctx, code)
+        return 0 if self.ctx.exit_file is not None else code
+
+    def _stop_wish(self) -> str | None:
+        """This rank's stop reason (None: go on) agreed with every other rank's: the strongest wins."""
+        local = None
+        if self.stop.should_stop(next_step_s=self.step_s, save_s=self._save_budget_s()):
+            local = self.stop.reason or "deadline"
+        return self.dist.agree_stop(local)
+
+    def _run(self) -> int:
         resumed = self._resume()
         if not resumed:
             if self.cfg["eval_before"] and self._evaluate("eval_before") is None:
@@ -72,9 +120,11 @@ class RLTrainer:
             random.seed(self.cfg["seed"])
             torch.manual_seed(self.cfg["seed"])
         while self.step < self.total:
-            if self.stop.should_stop(next_step_s=self.step_s, save_s=self._save_budget_s()):
-                return self._stop_exit()
-            self._one_step()
+            reason = self._stop_wish()
+            if reason:
+                return self._stop_exit(reason)
+            if not self._one_step():  # a stop request cut the rollout short: the step is discarded
+                return self._stop_exit(self.dist.agree_stop(self.stop.reason or "deadline"))
             if self.step == self.cfg["sft_steps"] and self.cfg["sft_steps"] > 0:
                 self._end_of_warmup()
             if self.cfg["save_every"] and self.step % self.cfg["save_every"] == 0 and self.step < self.total:
@@ -85,27 +135,48 @@ class RLTrainer:
 
     def _finish(self) -> int:
         """Final checkpoint first (the work is safe), then the final evaluation."""
-        self.ckpt.wait()
         if self.saved_step != self.step:
             self._save(background=False)
+        else:
+            self._collective(self.ckpt.wait)
         if self.cfg["eval_after"] and self._evaluate("eval_after") is None:
             return self._stop_exit()  # the next segment finds step == total and only evaluates
         self._close_checkpoints()
         self.log.close()
-        say(f"training complete at step {self.step}; peak RSS {metrics.peak_rss_mb():.0f} MB")
-        return protocol.EXIT_COMPLETE
+        self._say(f"training complete at step {self.step}; peak RSS {metrics.peak_rss_mb():.0f} MB")
+        return self._exit(protocol.EXIT_COMPLETE)
 
-    def _stop_exit(self) -> int:
-        reason = self.stop.reason or "deadline"
-        self.ckpt.wait()
+    def _stop_exit(self, reason: str | None = None) -> int:
+        reason = reason or self.stop.reason or "deadline"
         fits = self.ctx.seconds_left() > self._save_budget_s()
-        if self.step > 0 and self.saved_step != self.step and (reason != "SIGTERM" or fits):
+        # the decision is rank 0's (its save time is the one that counts), so no rank disagrees
+        save = self.step > 0 and self.saved_step != self.step and (reason != "SIGTERM" or fits)
+        save = bool(self.dist.max([float(save) if self.dist.is_main else 0.0])[0])
+        if save:
             self._save(background=False)
+        else:
+            self._collective(self.ckpt.wait)
         self._close_checkpoints()
-        say(f"stopping at step {self.step} ({reason}); checkpoint at step "
-            f"{self.saved_step}; exit {protocol.EXIT_CONTINUE} for the next segment; peak RSS {metrics.peak_rss_mb():.0f} MB")
+        self._say(f"stopping at step {self.step} ({reason}); checkpoint at step "
+                  f"{self.saved_step}; exit {protocol.EXIT_CONTINUE} for the next segment; "
+                  f"peak RSS {metrics.peak_rss_mb():.0f} MB")
         self.log.close()
-        return protocol.EXIT_CONTINUE
+        return self._exit(protocol.EXIT_CONTINUE)
+
+    def _collective(self, fn) -> None:
+        """Run fn on rank 0 (the checkpoint writer) and tell every rank whether it worked, so a
+        failed save stops them all at once instead of leaving them waiting for rank 0."""
+        error = None
+        if self.dist.is_main:
+            try:
+                fn()
+            except Exception as e:  # reported below, on rank 0, after the others know
+                error = e
+        failed = self.dist.max([float(error is not None)])[0]
+        if error is not None:
+            raise error
+        if failed:
+            raise SaveFailed("rank 0 failed to write a checkpoint")
 
     def _close_checkpoints(self) -> None:
         """Let old checkpoints finish being deleted, within the time left before the kill."""
@@ -115,16 +186,19 @@ class RLTrainer:
         return max(1.0, 2.0 * self.ckpt.last_save_s)
 
     def _save(self, background) -> None:
+        # replicated state (ddp): rank 0's copy is every rank's, so rank 0 writes it alone
         state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total}
         keep_ref = self.ref is not None and self.cfg["sft_steps"] > 0  # else ref = the base model on disk
-        self.ckpt.save_now(self.step, self.model, self.optimizer, state, self.ref if keep_ref else None, background)
+        self._collective(lambda: self.ckpt.save_now(self.step, self.model, self.optimizer, state,
+                                                    self.ref if keep_ref else None, background))
         self.saved_step = self.step
 
     def _resume(self) -> bool:
         _, path, state = self.ckpt.restore(self.model, self.optimizer, self.ref)
+        self.dist.barrier()  # every rank has read it before rank 0 may write (and prune) again
         if path is None:
             if state:  # a damaged checkpoint was partly read into the weights: start clean
-                say("no intact checkpoint; starting from the base model")
+                self._say("no intact checkpoint; starting from the base model")
                 base, _ = policy.load_policy(self.model_dir, self.device, self.cfg["dtype"])
                 self.model.load_state_dict(base.state_dict())
                 if self.ref is not None:
@@ -134,23 +208,26 @@ class RLTrainer:
         self.step = self.saved_step = int(state["step"])
         self.sampler = EpochSampler(len(self.train_ids), self.cfg["seed"], **state["sampler"])
         self.rollout.sync_weights(self.model)  # a vLLM engine started from the base weights
-        say(f"resumed from {path} at step {self.step} of {self.total}")
+        self._say(f"resumed from {path} at step {self.step} of {self.total}")
         return True
 
     # ------------------------------------------------------------------ steps
 
-    def _one_step(self) -> None:
+    def _one_step(self) -> bool:
         t0 = time.monotonic()
         if self.step < self.cfg["sft_steps"]:
             record = self._sft_step()
         else:
             record = self._rl_step()
+        if record is None:
+            return False
         self.step += 1
         dt = time.monotonic() - t0
         self.step_s = max(dt, 0.7 * self.step_s)  # decays, but one slow step is remembered
         record.update(step=self.step, step_time_s=round(dt, 4),
                       tokens_per_s=round(record.pop("_tokens") / max(dt, 1e-9), 1))
         self.log.write(record)
+        return True
 
     def _end_of_warmup(self) -> None:
         """The warmed-up model becomes the KL reference; its score shows what RL starts from."""
@@ -167,15 +244,24 @@ class RLTrainer:
     def _sft_step(self) -> dict:
         cfg = self.cfg
         lr = self._set_lr(cfg["sft_lr"])
-        idx = self.sampler.next(cfg["batch_size"] * cfg["group_size"])
-        targets = [warmup.format_target(self.train_ex[i], random, cfg["countdown_ops"]) for i in idx]
-        loss, ntok = warmup.sft_loss(self.model, self.tok, [self.train_ids[i] for i in idx], targets, self.device)
+        rows = self.sampler.next(cfg["batch_size"] * cfg["group_size"])
+        # whole groups per rank, as in RL; each row's target drawn from the row's own stream
+        mine = self.dist.share(cfg["batch_size"])
+        pos = range(mine.start * cfg["group_size"], mine.stop * cfg["group_size"])
+        targets = [warmup.format_target(self.train_ex[rows[j]], random.Random(stream_seed(cfg["seed"], self.step, j)),
+                                        cfg["countdown_ops"]) for j in pos]
+        loss, ntok = warmup.sft_loss(self.model, self.tok, [self.train_ids[rows[j]] for j in pos], targets,
+                                     self.device)
+        # a mean over every rank's target tokens: this rank's share of them weighs its mean
+        all_tok = self.dist.sum([ntok])[0]
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * (ntok / all_tok) if self.dist.enabled else loss).backward()
+        self.dist.all_reduce_grads(self.model.parameters())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["max_grad_norm"])
         self.optimizer.step()
         self.rollout.sync_weights(self.model)
-        return {"phase": "sft", "loss": round(loss.item(), 6), "lr": lr, "_tokens": ntok}
+        mean = self.dist.sum([loss.item() * ntok])[0] / all_tok
+        return {"phase": "sft", "loss": round(mean, 6), "lr": lr, "_tokens": int(all_tok)}
 
     def _rl_lr(self) -> float:
         rl_step = self.step - self.cfg["sft_steps"]
@@ -185,47 +271,84 @@ class RLTrainer:
     def _rl_step(self) -> dict:
         cfg = self.cfg
         lr = self._set_lr(self._rl_lr())
+        G = cfg["group_size"]
         idx = self.sampler.next(cfg["batch_size"])
-        batch = self.rollout.generate([self.train_ids[i] for i in idx], n=cfg["group_size"])
-        examples = [self.train_ex[i] for i in idx for _ in range(cfg["group_size"])]
+        mine = self.dist.share(len(idx))  # whole groups: this rank's prompts and all their samples
+        gens = None
+        if cfg["rollout"] == "hf":  # each prompt's samples from its own (seed, step, position) stream
+            gens = [generator(self.device, cfg["seed"], self.step, p) for p in mine]
+        batch = self.rollout.generate([self.train_ids[idx[p]] for p in mine], n=G, generators=gens,
+                                      abort=self._stop_requested)
+        if self.dist.agree_stop("SIGUSR1" if batch is None else None) is not None:
+            self._say(f"step {self.step + 1} abandoned in its rollout: stop requested")
+            return None
+        examples = [self.train_ex[idx[p]] for p in mine for _ in range(G)]
         t_reward = time.monotonic()
         values, reward_metrics = self.reward(examples, batch.texts)
-        scores = torch.tensor(values, dtype=torch.float32)
+        local = torch.tensor(values, dtype=torch.float32)
         reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
-        adv = algos.group_advantages(scores, cfg["group_size"], scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
-        stats = self._update(batch, adv.to(self.device))
+        adv = algos.group_advantages(local, G, scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
+        stats = self._update(batch, adv.to(self.device), row0=mine.start * G)
         self.rollout.sync_weights(self.model)
         ntok = int(batch.response_mask.sum().item())
+        if self.dist.enabled:  # the step's figures over the global batch, in its order
+            parts = self.dist.gather((values, ntok))
+            scores = torch.tensor([v for vals, _ in parts for v in vals], dtype=torch.float32)
+            ntok = sum(n for _, n in parts)
+        else:
+            scores = local
         return {"phase": "train", "reward_mean": round(scores.mean().item(), 6),
                 "reward_std": round(scores.std().item() if len(scores) > 1 else 0.0, 6),
                 "solve_rate": round((scores >= 1.0).float().mean().item(), 6),
                 "response_len_mean": round(ntok / len(scores), 3), "lr": lr, "_tokens": ntok, **stats,
                 **reward_metrics}
 
-    def _update(self, batch, adv) -> dict:
-        """ppo_epochs passes of mini_batches optimizer steps over one rollout batch."""
+    def _stop_requested(self) -> bool:
+        """A stop seen by this rank alone (no collective: ranks reach this point at different
+        times); the ranks agree right after the phase."""
+        return self.stop.poll_stop_file() or self.stop.term or self.stop.should_stop(save_s=self._save_budget_s())
+
+    def _update(self, batch, adv, row0: int = 0) -> dict:
+        """ppo_epochs passes of mini_batches optimizer steps over one rollout batch.
+
+        The mini-batches are cut from the global batch (rows row0.. are this rank's), in an order
+        drawn from the (seed, step, epoch) stream, so they are the same on any number of ranks."""
         cfg = self.cfg
         n = adv.shape[0]
-        size = n // cfg["mini_batches"]
+        total = cfg["batch_size"] * cfg["group_size"]
+        size = total // cfg["mini_batches"]
         single = cfg["ppo_epochs"] * cfg["mini_batches"] == 1
         ref_logp = self._logprobs_no_grad(self.ref, batch) if self.ref is not None else None
         if not single and batch.old_logp is None:  # the engine gave none: one extra forward pass
             batch.old_logp = self._logprobs_no_grad(self.model, batch)
         losses, last = [], {}
-        for _ in range(cfg["ppo_epochs"]):
-            order = torch.randperm(n) if cfg["mini_batches"] > 1 else torch.arange(n)
-            for start in range(0, n, size):
-                loss, last = self._optimizer_step(batch, order[start:start + size], adv, ref_logp, single)
+        for epoch in range(cfg["ppo_epochs"]):
+            order = (torch.randperm(total, generator=generator("cpu", cfg["seed"], self.step, "epoch", epoch))
+                     if cfg["mini_batches"] > 1 else torch.arange(total))
+            for start in range(0, total, size):
+                chunk = order[start:start + size]
+                local = chunk[(chunk >= row0) & (chunk < row0 + n)] - row0
+                loss, last = self._optimizer_step(batch, local, adv, ref_logp, single, global_rows=len(chunk))
                 losses.append(loss)
+        if self.dist.enabled:  # the last mini-batch's statistics, averaged over the ranks that had rows
+            got = [d for d in self.dist.gather(last) if d]
+            last = {k: (None if any(d[k] is None for d in got) else sum(d[k] for d in got) / len(got))
+                    for k in got[0]}
         kl = last.pop("kl_ref")
         return {"loss": round(sum(losses) / len(losses), 6), "kl": round(kl, 6) if kl is not None else 0.0,
                 **{k: round(v, 6) for k, v in last.items()}}
 
-    def _optimizer_step(self, batch, idx, adv, ref_logp, single) -> tuple[float, dict]:
-        """One optimizer step on rows `idx`, gradients accumulated over micro-batches."""
+    def _optimizer_step(self, batch, idx, adv, ref_logp, single, global_rows=None) -> tuple[float, dict]:
+        """One optimizer step on rows `idx` (this rank's part of a mini-batch of `global_rows`),
+        gradients accumulated over micro-batches, then summed over ranks: every weight below is
+        this rank's share of the global mini-batch, so the sum is the global mean."""
         cfg = self.cfg
-        micro = cfg["micro_batch_size"] or len(idx)
-        all_tokens = batch.response_mask[idx].sum().clamp(min=1.0)
+        micro = cfg["micro_batch_size"] or max(1, len(idx))
+        all_tokens = batch.response_mask[idx].sum()
+        if self.dist.enabled:
+            all_tokens = all_tokens.new_tensor(self.dist.sum([all_tokens.item()])[0])
+        all_tokens = all_tokens.clamp(min=1.0)
+        global_rows = global_rows or len(idx)
         self.optimizer.zero_grad(set_to_none=True)
         total, stats = 0.0, {}
         for start in range(0, len(idx), micro):
@@ -240,9 +363,12 @@ class RLTrainer:
                 cfg["loss_agg"], None if ref_logp is None else ref_logp[sub], cfg["beta"],
                 norm_len=cfg["max_response_length"])
             # each micro loss is a mean over its own rows: weight it into the mean over all of idx
-            weight = mb.response_mask.sum() / all_tokens if cfg["loss_agg"] == "token-mean" else len(sub) / len(idx)
+            weight = mb.response_mask.sum() / all_tokens if cfg["loss_agg"] == "token-mean" else len(sub) / global_rows
             (loss * weight).backward()
             total += loss.item() * float(weight)
+        self.dist.all_reduce_grads(self.model.parameters())
+        if self.dist.enabled:
+            total = self.dist.sum([total])[0]
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["max_grad_norm"])
         self.optimizer.step()
         return total, stats
@@ -264,28 +390,46 @@ class RLTrainer:
         t0 = time.monotonic()
         scores, extra = [], {}
         bs = self.cfg["eval_batch_size"]
+        mine = self.dist.share(len(self.val_ids))  # each rank decodes its share of the split
+        abandoned = False
         with torch.random.fork_rng():  # evaluation must not change the training's random stream
-            for start in range(0, len(self.val_ids), bs):
-                if self.stop.usr1 or self.stop.term or self.stop.should_stop(save_s=self._save_budget_s()):
-                    say(f"{phase} abandoned: stop requested ({self.stop.reason or 'deadline'})")
-                    return None
-                batch = self.rollout.generate(self.val_ids[start:start + bs], n=1, greedy=True)
+            for start in range(mine.start, mine.stop, bs):
+                # a local check per batch (and inside the decoding); the ranks agree after the loop
+                if self._stop_requested():
+                    abandoned = True
+                    break
+                stop = min(start + bs, mine.stop)
+                batch = self.rollout.generate(self.val_ids[start:stop], n=1, greedy=True,
+                                              abort=self._stop_requested)
+                if batch is None:
+                    abandoned = True
+                    break
                 # val_ids holds only the first eval_size rows: score exactly the rows generated
                 values, metrics_ = self.reward(self.val_ex[start:start + len(batch.texts)], batch.texts)
                 scores.extend(values)
                 for k, v in metrics_.items():  # weighted by batch size into a mean over the split
                     extra[k] = extra.get(k, 0.0) + v * len(values)
+        if self.dist.agree_stop("SIGUSR1" if abandoned else None) is not None:
+            self._say(f"{phase} abandoned: stop requested ({self.stop.reason or 'deadline'})")
+            return None
+        if self.dist.enabled:
+            parts = self.dist.gather((scores, extra))
+            scores = [v for vals, _ in parts for v in vals]
+            extra = {}
+            for _, ex in parts:
+                for k, v in ex.items():
+                    extra[k] = extra.get(k, 0.0) + v
         n = max(1, len(scores))
         result = {"eval/reward_mean": round(sum(scores) / n, 6),
                   "eval/accuracy": round(sum(s >= 1.0 for s in scores) / n, 6), "eval/n": len(scores),
                   "peak_rss_mb": metrics.peak_rss_mb(), **{f"eval/{k}": round(v / n, 6) for k, v in extra.items()}}
         self.log.write({"step": self.step, "phase": phase, **result})
-        say(f"{phase} step {self.step}: reward_mean={result['eval/reward_mean']:.3f} "
+        self._say(f"{phase} step {self.step}: reward_mean={result['eval/reward_mean']:.3f} "
             f"accuracy={result['eval/accuracy']:.3f} n={len(scores)} ({time.monotonic() - t0:.1f} s)")
         if phase in ("eval_before", "eval_sft"):  # the later one (after the warm-up) is what RL starts from
             self.before_rl = result
         elif phase == "eval_after" and getattr(self, "before_rl", None):
             b = self.before_rl
-            say(f"pass rate (accuracy) before RL -> after: {b['eval/accuracy']:.3f} -> {result['eval/accuracy']:.3f}; "
+            self._say(f"pass rate (accuracy) before RL -> after: {b['eval/accuracy']:.3f} -> {result['eval/accuracy']:.3f}; "
                 f"reward_mean {b['eval/reward_mean']:.3f} -> {result['eval/reward_mean']:.3f}")
         return result

@@ -14,6 +14,11 @@ import torch
 from .policy import left_pad, prefill_shared
 
 
+# tokens between checks for a stop request inside a generation (a check is one stat of the stop
+# file; a stop then waits at most this many decoding steps)
+ABORT_EVERY = 8
+
+
 @dataclass
 class RolloutBatch:
     prompt_ids: torch.Tensor      # N x P, left padded
@@ -91,7 +96,11 @@ class HFRollout:
         pass  # the loop uses the training model itself
 
     @torch.no_grad()
-    def generate(self, prompts: list, n: int = 1, greedy: bool = False) -> RolloutBatch:
+    def generate(self, prompts: list, n: int = 1, greedy: bool = False, generators=None,
+                 abort=None) -> RolloutBatch | None:
+        """`generators`: one torch.Generator per prompt, whose stream draws that prompt's n samples
+        (results independent of which prompts share the batch, so of the world size); None: the
+        global RNG. `abort`: called every ABORT_EVERY tokens; True discards the batch (None)."""
         tok, model = self.tokenizer, self.model
         device = next(model.parameters()).device
         unique_ids, unique_mask = left_pad(prompts, tok.pad_token_id, device)
@@ -108,7 +117,9 @@ class HFRollout:
             done = torch.zeros(rows, dtype=torch.bool, device=device)
             tokens, logps = [], []
             for t in range(self.max_new_tokens):
-                nxt, logp = self._pick(logits, greedy, want_old)
+                if abort is not None and t and t % ABORT_EVERY == 0 and abort():
+                    return None
+                nxt, logp = self._pick(logits, greedy, want_old, generators, n)
                 nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
                 tokens.append(nxt)
                 if logp is not None:
@@ -133,7 +144,7 @@ class HFRollout:
         old = torch.stack(logps, dim=1) * rmask if logps and tokens else None
         return RolloutBatch(ids, mask, response, rmask, old, decode_responses(tok, response, rmask))
 
-    def _pick(self, logits, greedy: bool, want_logp: bool):
+    def _pick(self, logits, greedy: bool, want_logp: bool, generators=None, n: int = 1):
         """(next token per row, its log-prob under the policy at this temperature or None)."""
         if self.suppress_eos and self.tokenizer.eos_token_id is not None:
             logits[:, self.tokenizer.eos_token_id] = float("-inf")
@@ -143,13 +154,13 @@ class HFRollout:
         probs = logp_all.exp()
         if self.top_p < 1.0:
             probs = _top_p_filter(probs, self.top_p)
-        nxt = _sample(probs)
+        nxt = _sample(probs, generators, n)
         # the policy's own log-prob (before top-p), which is what the loss recomputes
         logp = logp_all.gather(-1, nxt.unsqueeze(-1)).squeeze(-1) if want_logp else None
         return nxt, logp
 
 
-def _sample(probs):
+def _sample(probs, generators=None, n: int = 1):
     """One draw per row from unnormalised probabilities, by inverting the cumulative sum.
 
     The same distribution as torch.multinomial(probs, 1), at a fraction of its cost on CPU for a
@@ -157,7 +168,11 @@ def _sample(probs):
     zero-probability token: its cumulative value equals its predecessor's.
     """
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if generators is None:
+        u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=cdf.dtype)
+    else:  # rows i*n .. i*n+n-1 are prompt i's samples, drawn from prompt i's own stream
+        u = torch.cat([torch.rand(n, 1, device=probs.device, dtype=cdf.dtype, generator=g) for g in generators])
+    u = u * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
@@ -173,7 +188,9 @@ class HFGenerateRollout(HFRollout):
     """`rollout: hf-generate`: transformers' own generate (any architecture generate supports)."""
 
     @torch.no_grad()
-    def generate(self, prompts: list, n: int = 1, greedy: bool = False) -> RolloutBatch:
+    def generate(self, prompts: list, n: int = 1, greedy: bool = False, generators=None,
+                 abort=None) -> RolloutBatch:
+        # generators/abort: not honoured here (this engine's own sampler and one uninterruptible call)
         from transformers import GenerationConfig, LogitsProcessorList
 
         tok = self.tokenizer

@@ -42,7 +42,9 @@ class VllmRollout:
             self.llm.apply_model(lambda m: m.load_weights(weights))  # older vLLM
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
 
-    def generate(self, prompts: list, n: int = 1, greedy: bool = False) -> RolloutBatch:
+    def generate(self, prompts: list, n: int = 1, greedy: bool = False, generators=None,
+                 abort=None) -> RolloutBatch:
+        # generators/abort: not honoured here (this engine's own sampler and one uninterruptible call)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

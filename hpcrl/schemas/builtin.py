@@ -187,6 +187,12 @@ SCHEMA = Schema("builtin", [
     Choice("dtype", "float32", ("float32", "bfloat16"), "parameter dtype"),
     Choice("device", "auto", ("auto", "cpu", "cuda"), "where the policy runs"),
     Int("threads", 0, "torch CPU threads; 0: leave torch's default", ge=0),
+    # --- several processes (torchrun sets WORLD_SIZE; without it the trainer is one process)
+    Choice("parallel", "auto", ("auto", "ddp", "fsdp"),
+           "with several ranks: ddp (a full copy per rank, gradients all-reduced), fsdp (FSDP2 fully_shard: "
+           "parameters, gradients and optimizer state sharded), auto (ddp when model + AdamW state fit one device)"),
+    Float("dist_timeout_s", 300.0, "longest any collective may wait for a peer before the rank fails (bounds a hang "
+          "on a stuck peer; a dead peer's closed connection fails at once)", gt=0),
     Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",
         nullable=True),
 ], checks=[_check_data_files, _check_batches, _check_countdown, _check_tiny, _check_reward])

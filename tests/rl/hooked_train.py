@@ -6,6 +6,8 @@
                 test is not a race with a fast loop
 --save-pause-s  sleep S inside every checkpoint save, once its files are written and before it
                 is sealed (manifest, rename, pointer), so a test can kill -9 a half-written save
+--eval-delay-s  sleep S inside every evaluation batch's decoding (a long evaluation, so a stop
+                arrives in the middle of one)
 
 The trainer itself carries no test hooks: this wrapper patches its functions and then runs
 hpcrl.rl.train's main, as `python -m hpcrl.rl.train` would. (The patches import torch before
@@ -32,7 +34,7 @@ def delayed(fn, seconds: float):
     return wrapper
 
 
-def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0) -> None:
+def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0, eval_delay_s: float = 0.0) -> None:
     """Patch this process's trainer: every step and every save take that much longer."""
     if step_delay_s:
         from hpcrl.rl.loop import RLTrainer
@@ -43,14 +45,30 @@ def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0) -> None:
         from hpcrl.rl import checkpoint
 
         checkpoint.write_snapshot = delayed(checkpoint.write_snapshot, save_pause_s)
+    if eval_delay_s:
+        from hpcrl.rl import rollout
+
+        def slow_eval(generate):
+            @functools.wraps(generate)
+            def wrapper(self, prompts, n=1, greedy=False, generators=None, abort=None):
+                if greedy:  # evaluation decodes greedily: sleep in slices, asking abort() between them
+                    for _ in range(20):
+                        if abort is not None and abort():
+                            return None
+                        time.sleep(eval_delay_s / 20)
+                return generate(self, prompts, n, greedy, generators, abort)
+            return wrapper
+
+        rollout.HFRollout.generate = slow_eval(rollout.HFRollout.generate)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hooked_train.py", add_help=False)
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--save-pause-s", type=float, default=0.0)
+    parser.add_argument("--eval-delay-s", type=float, default=0.0)
     ns, rest = parser.parse_known_args(argv)
-    install(ns.step_delay_s, ns.save_pause_s)
+    install(ns.step_delay_s, ns.save_pause_s, ns.eval_delay_s)
     from hpcrl.rl import train
 
     return train.main(rest)

@@ -56,3 +56,31 @@ def run_trainer(run_dir: Path, segment: int = 1, timeout: float = 240, **extra):
     proc = start_trainer(run_dir, segment, **extra)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
+
+
+# Several ranks: the distributed tests' arguments. A length term gives every group's samples
+# different rewards (the tiny model never solves countdown in a few steps, and all-zero rewards
+# would leave the advantages, and so most of the comparison, at zero).
+DIST_ARGS = {**TINY_ARGS, "reward": "countdown + 0.1*length", "length_norm_chars": 10}
+
+
+def start_torchrun(run_dir: Path, nproc: int = 2, segment: int = 1, deadline=None, step_delay_s: float = 0.0,
+                   save_pause_s: float = 0.0, eval_delay_s: float = 0.0, **extra) -> subprocess.Popen:
+    """`torchrun --standalone --nproc-per-node N -m hpcrl.rl.train` with the stop and exit files the
+    segment script sets under a multi-process launcher (RUN_DIR/stop, RUN_DIR/exit)."""
+    config = ["--config", str(run_dir / "trainer.json")]
+    hooks = [f"--step-delay-s={step_delay_s}", f"--save-pause-s={save_pause_s}", f"--eval-delay-s={eval_delay_s}"]
+    script = [str(HOOKED), *hooks] if step_delay_s or save_pause_s or eval_delay_s else ["-m", "hpcrl.rl.train"]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            *script, *config]
+    env = trainer_env(run_dir, segment, deadline, HPCRL_STOP_FILE=run_dir / "stop", HPCRL_EXIT_FILE=run_dir / "exit",
+                      **extra)
+    (run_dir / "stop").unlink(missing_ok=True)
+    (run_dir / "exit").unlink(missing_ok=True)
+    return subprocess.Popen(argv, env=env, cwd=str(run_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def exit_file_code(run_dir: Path):
+    path = run_dir / "exit"
+    return int(path.read_text()) if path.exists() else None

@@ -274,6 +274,7 @@ def test_micro_batches_accumulate_the_same_gradient(tiny, loss_agg):
     from types import SimpleNamespace
 
     from hpcrl.rl import config
+    from hpcrl.rl.dist import Dist
     from hpcrl.rl.loop import RLTrainer
 
     model, tok = tiny
@@ -284,7 +285,7 @@ def test_micro_batches_accumulate_the_same_gradient(tiny, loss_agg):
     grads = {}
     for micro in (0, 2, 4):
         cfg = config.resolve({"micro_batch_size": micro, "loss_agg": loss_agg, "beta": 0.1})
-        fake = SimpleNamespace(cfg=cfg, model=model, optimizer=_RecordingOptimizer(model))
+        fake = SimpleNamespace(cfg=cfg, model=model, optimizer=_RecordingOptimizer(model), dist=Dist())
         ref = RLTrainer._logprobs_no_grad(fake, model, batch) * 0.9
         loss, _ = RLTrainer._optimizer_step(fake, batch, torch.arange(6), adv, ref, single=True)
         grads[micro] = (loss, fake.optimizer.grads)
