@@ -113,3 +113,50 @@ def test_resume_on_another_world_size_rewrites_spec_and_script_and_continues(fas
     assert ran[1]["start_step"] == ran[0]["end_step"] > 0
     assert "smoke: rank 1 of 2" in (rdir / "logs" / f"job-{ran[1]['job_id']}.log").read_text()
     assert [m["step"] for m in read_metrics(rdir)] == list(range(1, 91))
+
+
+TINY = {  # tests/rl/rl_helpers.py TINY_ARGS: the built-in trainer on a tiny model, ~16 steps/s on 2 ranks here
+    "model": "tiny", "tiny_hidden_size": 32, "tiny_layers": 1, "tiny_heads": 2, "tiny_max_int": 100,
+    "prompt_template": "tiny", "countdown_min_count": 2, "countdown_max_count": 2, "countdown_max_number": 9,
+    "countdown_max_target": 81, "countdown_train_size": 64, "countdown_test_size": 8,
+    "sft_steps": 2, "sft_lr": 3e-3, "lr": 1e-3, "beta": 0.05, "batch_size": 4, "group_size": 4, "ppo_epochs": 2,
+    "mini_batches": 2, "max_response_length": 6, "eval_size": 8, "eval_batch_size": 8, "keep_last": 3,
+    "threads": 1, "seed": 3,
+}
+
+
+def test_builtin_trainer_on_two_ranks_through_hpcrl_submit_stops_by_usr1_and_completes(fast_local, tmp_path):
+    pytest.importorskip("transformers", reason="the built-in trainer")
+    spec = tmp_path / "b2.json"
+    spec.write_text(json.dumps({"trainer": "builtin", "args": {**TINY, "total_steps": 198, "save_every": 0}}))
+    hpcrl("submit", str(spec), "--site", fast_local, "--hours", "0.02", "--name", "b2",
+          "--set", "resources.ranks_per_node=2")
+    rdir = run_dir("b2")
+    wait_until(lambda: len(_ranks_of_trainer(rdir)) == 2, 60, "two trainer ranks")
+    wait_until(lambda: max((m.get("step", 0) for m in read_metrics(rdir)), default=0) >= 50, 60, "step 50")
+    # the walltime's warning now (not in a minute, whatever this machine's speed): USR1 to the batch
+    # shell only, as the local backend (and Slurm's --signal=B:USR1) sends it
+    os.kill(json.loads((rdir / ".queue" / "1.json").read_text())["pgid"], signal.SIGUSR1)
+    state = wait_for_run("b2", timeout=180)
+    assert state["state"] == "COMPLETED", state
+    first, last = started(state)[0], started(state)[-1]
+    assert (first["state"], first["rc"]) == ("CONTINUE", 85) and 50 <= first["end_step"] < 200, first
+    assert last["end_step"] == 200
+    log1 = (rdir / "logs" / f"job-{first['job_id']}.log").read_text()
+    assert "stop file for the ranks" in log1 and "(SIGUSR1)" in log1 and "exit 85" in log1, log1
+    assert "--nproc-per-node 2 --standalone -m hpcrl.rl.train" in (rdir / "job.sh").read_text()
+    train = sorted({m["step"] for m in read_metrics(rdir) if m.get("phase") in ("sft", "train")})
+    assert train == list(range(1, 201))
+
+
+def _ranks_of_trainer(rdir: Path) -> list[int]:
+    config = str(rdir / "trainer.json").encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+        except OSError:
+            continue
+        if b"hpcrl.rl.train" in argv and config in argv and b"torch.distributed.run" not in argv:
+            found.append(int(proc.name))
+    return found
