@@ -11,7 +11,7 @@ from test_render import FIXED, PY, bash_n, check_golden
 
 VERL_RECIPES = ["tinyzero-countdown-ppo", "tinyzero-countdown-grpo", "verl-gsm8k-grpo", "verl-gsm8k-gspo"]
 MAXTEXT_RECIPES = ["maxtext-llama3.1-8b-grpo", "maxtext-llama3.1-8b-gspo"]
-BUILTIN_GPU_RECIPES = ["gsm8k-grpo", "gsm8k-gspo", "countdown-grpo", "mbpp-code-grpo"]
+BUILTIN_GPU_RECIPES = ["gsm8k-grpo", "gsm8k-gspo", "countdown-grpo", "mbpp-code-grpo", "tinyzero-countdown-builtin"]
 PERLMUTTER = ["--site", "perlmutter", "--account", "m1234_g", "--hours", "4"]
 # The TPU site needs a project, zone and bucket; any well-formed values render the same script.
 TPU = ["--site", "tpu-v5p-8", "--hours", "4", "--set", "site.project=hpcrl-demo",
@@ -77,6 +77,21 @@ def test_builtin_gpu_recipe_uses_every_gpu_of_the_node_it_pays_for(tmp_path, rec
     head = recipe_text[:recipe_text.index("\nname:")]
     assert "Hardware:" in head and "4x A100" in head and re.search(r"~\d+ GB of 40", head), \
         "each GPU recipe states its hardware and expected memory"
+
+
+def test_tinyzero_sized_builtin_recipe_shards_with_fsdp_like_its_verl_twin(tmp_path):
+    import yaml
+
+    text = render_recipe(tmp_path, "tinyzero-countdown-builtin", *PERLMUTTER, "--name", "tzb", PY)
+    assert "--nproc-per-node 4" in text
+    ours = yaml.safe_load((ROOT / "hpcrl" / "recipes" / "tinyzero-countdown-builtin.yaml").read_text())
+    verl = yaml.safe_load((ROOT / "hpcrl" / "recipes" / "tinyzero-countdown-grpo.yaml").read_text())
+    a, v = ours["args"], verl["args"]
+    assert a["parallel"] == "fsdp" and a["model"] == v["model"] and a["train_files"] == v["train_files"]
+    assert (a["batch_size"], a["group_size"], a["lr"], a["beta"]) == (v["train_batch_size"], v["rollout_n"],
+                                                                     v["actor_lr"], v["kl_coef"])
+    assert a["batch_size"] // a["mini_batches"] == v["ppo_mini_batch_size"]
+    assert ours["resources"] == verl["resources"]
 
 
 @pytest.mark.parametrize("recipe", ["countdown-tiny", "code-tiny", "smoke"])
