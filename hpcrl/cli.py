@@ -200,7 +200,8 @@ def cmd_watch(ns) -> int:
 def cmd_resume(ns) -> int:
     from . import launch
 
-    run = launch.resume(ns.run, hours=ns.hours, total_hours=ns.total_hours, max_segments=ns.max_segments)
+    run = launch.resume(ns.run, hours=ns.hours, total_hours=ns.total_hours, max_segments=ns.max_segments,
+                        nodes=ns.nodes, sets=ns.sets)
     print(f"resumed run {run.id} (job {run.state()['segments'][-1]['job_id']})")
     return 0
 
@@ -372,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hours", type=float, help="new walltime per segment")
     sp.add_argument("--total-hours", type=float, help="new total budget in hours")
     sp.add_argument("--max-segments", type=int, help="new segment limit")
+    sp.add_argument("--nodes", type=int, help="nodes of the next segments (the checkpoint does not depend on them)")
+    sp.add_argument("--set", dest="sets", action="append", default=[], metavar="resources.KEY=VALUE",
+                    help="other resources of the next segments, e.g. resources.ranks_per_node=2")
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("cancel", help="cancel a run's running and queued jobs")
     sp.add_argument("run")

@@ -31,8 +31,9 @@ from .lifecycle import Cancel, Queue, Stop
 from .paths import hpcrl_home
 from .render import ScriptParts, expand_path, render_script, venv_path
 from .runs import Run, RunLayout
+from .spec import world_size
 from .trainers import get_trainer
-from .trainers.base import TrainerContext
+from .trainers.base import TrainerContext, torchrun_argv
 
 clock = time.time
 
@@ -80,13 +81,19 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
     trainer = get_trainer(resolved["spec"]["trainer"])
     ctx = trainer_context(resolved, run_id, layout)
     ctx.python = TRAINER_PY
+    command, ranks = trainer.command(ctx), None
+    res = resolved["spec"]["resources"]
+    if trainer.ranks is not None and world_size(res) > 1:
+        ranks = backend.rank_launch(resolved)  # one torchrun per node, and where they meet
+        command = [*ranks.prefix, *torchrun_argv(ctx.python, res["nodes"], res["ranks_per_node"], ranks.rendezvous,
+                                                 trainer.entry(ctx))]
     return render_script(ScriptParts(
         run_id=run_id, site=site, spec_env=resolved["spec"].get("env", {}), layout=layout,
         header=backend.directives(resolved, run_id, layout), job_id_line=backend.job_id_line(),
-        hpcrl_python=site.get("hpcrl_python") or sys.executable, command=trainer.command(ctx),
+        hpcrl_python=site.get("hpcrl_python") or sys.executable, command=command,
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
         venv=venv_path(site, requirements(resolved)), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
-        exit_continue=protocol.EXIT_CONTINUE))
+        exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None))
 
 
 def render(resolved: dict, run_id: str | None = None) -> str:
@@ -364,10 +371,11 @@ def cancel(run_id: str) -> Run:
 
 
 def resume(run_id: str, hours: float | None = None, total_hours: float | None = None,
-           max_segments: int | None = None) -> Run:
+           max_segments: int | None = None, nodes: int | None = None, sets: list[str] | None = None) -> Run:
     """Continue a stopped, cancelled or failed run from its last good checkpoint. New hours
-    change the budget record in state.json (its one owner) and the job script, together."""
-    from .spec import check_resume_budget, validate_qos
+    change the budget record in state.json (its one owner) and the job script, together; new
+    resources (nodes, ranks_per_node, ...) the frozen spec and the job script, together."""
+    from .spec import check_resume_budget, resize, validate_qos
 
     run = Run.by_id(run_id)
     backend = backend_for(run)
@@ -377,15 +385,28 @@ def resume(run_id: str, hours: float | None = None, total_hours: float | None = 
         validate_qos(run.site(), hours)
     if max_segments is not None:
         max_segments = int(max_segments)
+    resolved = run.spec()
+    old_res, new_res = resolved["spec"]["resources"], resize(resolved, sets, nodes)
+    if new_res is not None:
+        resolved["spec"]["resources"] = new_res
+        # the new world must render (a backend may refuse it) before anything changes
+        script_for({**resolved, "spec": {**resolved["spec"], "budget": run.state()["budget"]}}, run.id, run.dir)
     with run.locked() as state:
         actions = lifecycle.resume(state, clock(), hours, total_hours, max_segments)
-        if hours is not None:
-            resolved = run.spec()
+        if new_res is not None:
+            atomic_write_json(run.layout.spec, runs.frozen_spec(resolved))
+            lifecycle.add_event(state, f"resources: {_world(old_res)} -> {_world(new_res)}", clock())
+        if hours is not None or new_res is not None:
             resolved["spec"]["budget"] = dict(state["budget"])
             atomic_write_text(run.layout.script, script_for(resolved, run.id, run.dir), mode=0o755)
         _carry_out(run, state, actions, backend)
     backend.after_change(run)
     return run
+
+
+def _world(res: dict) -> str:
+    nodes, ranks = int(res.get("nodes") or 1), res.get("ranks_per_node")
+    return f"{nodes} node(s)" + (f" x {ranks} rank(s)" if ranks else "")
 
 
 # ---------------------------------------------------------------- reconciling

@@ -72,6 +72,9 @@ class ScriptParts:
     venv: str | None = None
     nothing_to_do: int = 3    # protocol.EXIT_NOTHING_TO_DO of `_segment begin`
     exit_continue: int = 85   # protocol.EXIT_CONTINUE: the job itself then ends 0 for its scheduler
+    # Under a multi-process launcher (torchrun, srun): the backend's bash before it (None: the
+    # trainer is one process). USR1 then becomes HPCRL_STOP_FILE and the code HPCRL_EXIT_FILE.
+    ranks_prelude: str | None = None
 
 
 def render_script(p: ScriptParts) -> str:
@@ -87,6 +90,7 @@ def render_script(p: ScriptParts) -> str:
         header="\n".join(["#!/bin/bash", *p.header]), run_id=p.run_id, site_name=site["name"], version=__version__,
         run_dir=str(lay.root), ckpt_dir=str(lay.checkpoints), metrics=str(lay.metrics),
         checkpointing_flag=lay.checkpointing_flag.name, rc_prefix=lay.trainer_rc("").name,
+        stop_prefix=lay.trainer_stop("").name, exit_prefix=lay.trainer_exit("").name, ranks_prelude=p.ranks_prelude,
         hpcrl_python=p.hpcrl_python, hpcrl_src=str(lay.lib), job_id_line=p.job_id_line,
         modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv,
         trainer_python=site.get("trainer_python"), python=site.get("python") or "python3",

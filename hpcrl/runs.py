@@ -98,6 +98,12 @@ class RunLayout:
     def trainer_rc(self, job_id) -> Path:
         return self.root / f".trainer-rc-{job_id}"
 
+    def trainer_stop(self, job_id) -> Path:  # HPCRL_STOP_FILE: USR1 for ranks under torchrun/srun
+        return self.root / f".trainer-stop-{job_id}"
+
+    def trainer_exit(self, job_id) -> Path:  # HPCRL_EXIT_FILE: their protocol exit code
+        return self.root / f".trainer-exit-{job_id}"
+
     @property
     def checkpoint_cache(self) -> Path:
         # The newest checkpoint step of a trainer whose checkpoints are remote (gs://), written

@@ -13,8 +13,15 @@ import shlex
 TRAINER_PY = '"$trainer_py"'
 
 
+class Word(str):
+    """A shell word hpcrl writes itself, such as a backend's '"$hpcrl_rdzv_host:$hpcrl_rdzv_port"':
+    `q` leaves it as it is. Never made from a user's string (those are plain str, always quoted)."""
+
+
 def q(value) -> str:
     """Quote one value for bash. The only quoting function that user strings go through."""
+    if isinstance(value, Word):
+        return str.__str__(value)
     value = str(value)
     return value if value == TRAINER_PY else shlex.quote(value)
 

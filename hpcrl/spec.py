@@ -24,7 +24,7 @@ SPEC_DEFAULTS = {
     "name": None,
     "trainer": "smoke",
     "args": {},
-    "resources": {"nodes": 1, "gpus_per_node": None, "cpus_per_task": None, "mem_gb": None},
+    "resources": {"nodes": 1, "ranks_per_node": None, "gpus_per_node": None, "cpus_per_task": None, "mem_gb": None},
     "budget": {"hours": None, "hours_min": None, "total_hours": None, "max_segments": 20},
     "env": {},
     "requirements": [],
@@ -91,6 +91,7 @@ MAX_TOTAL_HOURS = 24 * 365 * 5
 MAX_SEGMENTS = 10_000
 MAX_NODES = 10_000
 MAX_GPUS_PER_NODE = 64
+MAX_RANKS_PER_NODE = 256  # CPU ranks (gloo) on a many-core node; GPU ranks are bounded by the GPUs
 MAX_CPUS_PER_TASK = 4096
 MAX_MEM_GB = 64 * 1024
 ACCOUNT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
@@ -334,10 +335,11 @@ def validate_name(name, where: str = "--name") -> str:
     return name
 
 
-def _validate_resources(res: dict, site: dict) -> dict:
+def _validate_resources(res: dict, site: dict, trainer) -> dict:
     res = dict(res)
     res["nodes"] = _number(res.get("nodes"), "resources.nodes (--nodes)", 1, integer=True, allow_none=False,
                            maximum=MAX_NODES)
+    gpus_given = res.get("gpus_per_node") is not None
     for key, minimum, maximum in (("gpus_per_node", 0, MAX_GPUS_PER_NODE), ("cpus_per_task", 1, MAX_CPUS_PER_TASK)):
         if res.get(key) is None:
             res[key] = site.get(key)
@@ -345,7 +347,75 @@ def _validate_resources(res: dict, site: dict) -> dict:
     if res.get("mem_gb") is None:
         res["mem_gb"] = site.get("mem_gb")
     res["mem_gb"] = _number(res["mem_gb"], "resources.mem_gb", 0.001, maximum=MAX_MEM_GB)
+    res["ranks_per_node"] = _ranks_per_node(res, site, trainer, gpus_given)
     return res
+
+
+def _ranks_per_node(res: dict, site: dict, trainer, gpus_given: bool) -> int | None:
+    """resources.ranks_per_node: with resources.nodes, the world size of a trainer that runs under
+    torchrun (Trainer.ranks); None for trainers that place their own workers (verl, maxtext)."""
+    where = "resources.ranks_per_node"
+    ranks = _number(res.get("ranks_per_node"), where, 1, integer=True, maximum=MAX_RANKS_PER_NODE)
+    if trainer.ranks is None:
+        if ranks is not None:
+            raise SpecError(f"{where}: the {trainer.name} trainer starts its own workers ({trainer.ranks_hint}); "
+                            f"leave ranks_per_node out")
+        return None
+    gpus = res.get("gpus_per_node") or 0
+    if trainer.ranks != "gpu":  # ranks without devices of their own (smoke): one unless asked
+        return ranks or 1
+    site_gpus = int(site.get("gpus_per_node") or 0)
+    if ranks is None:
+        return gpus or 1  # one rank per GPU the job has; one CPU rank where there are none
+    if site_gpus and ranks > site_gpus:
+        raise SpecError(f"{where} {ranks}: site '{site.get('name')}' has {site_gpus} GPUs per node and the "
+                        f"{trainer.name} trainer runs one rank per GPU; use at most {site_gpus} (or more nodes)")
+    if gpus and not gpus_given:
+        res["gpus_per_node"] = gpus = ranks  # the GPU request follows the ranks asked for
+    if gpus and ranks != gpus:
+        raise SpecError(f"{where} {ranks}: resources.gpus_per_node is {gpus} and each rank drives one GPU; "
+                        f"set both to the same number (or leave ranks_per_node out)")
+    return ranks
+
+
+RESIZABLE = ("nodes", "ranks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb")
+
+
+def resize(resolved: dict, sets: list[str] | None, nodes: int | None = None) -> dict | None:
+    """`hpcrl resume RUN --nodes N --set resources.KEY=VALUE`: the run's resources with those
+    changes, validated as at submit against the run's frozen site and trainer (the next segment
+    runs on them; the trainer's checkpoints do not depend on the world size). None: no change."""
+    from .trainers import get_trainer
+
+    over = parse_set(sets or [])
+    bad = next((k for k in over if k != "resources"), None)
+    if bad is not None:
+        raise SpecError(f"--set {bad}.KEY: hpcrl resume changes only resources.KEY (one of {one_of(RESIZABLE)}), "
+                        f"e.g. --set resources.nodes=1; the rest of a run is frozen at submit")
+    changes = dict(_mapping(over.get("resources"), "resources"))
+    if nodes is not None:
+        changes["nodes"] = nodes
+    for key in changes:
+        if key not in RESIZABLE:
+            raise SpecError(f"resources.{key}: unknown key{did_you_mean(key, RESIZABLE)}; allowed: {one_of(RESIZABLE)}")
+    if not changes:
+        return None
+    old = resolved["spec"]["resources"]
+    res = {**old, **changes}
+    # The frozen values were derived from each other (ranks from GPUs, the GPU request from the
+    # ranks): a change of one lets the other follow it again, as at submit.
+    for a, b in (("ranks_per_node", "gpus_per_node"), ("gpus_per_node", "ranks_per_node")):
+        if a in changes and b not in changes:
+            res[b] = None
+    trainer = get_trainer(resolved["spec"]["trainer"])
+    res = _validate_resources(res, resolved["site"], trainer)
+    trainer.check_world(resolved["spec"]["args"], world_size(res))
+    return None if res == old else res
+
+
+def world_size(resources: dict) -> int:
+    """Ranks of the whole run: nodes x ranks_per_node (1 for trainers without ranks)."""
+    return int(resources.get("nodes") or 1) * int(resources.get("ranks_per_node") or 1)
 
 
 def _validate_budget(budget: dict, site: dict) -> dict:
@@ -501,11 +571,12 @@ def _finish(spec: dict, site: dict) -> dict:
     trainer = get_trainer(spec.get("trainer"))
     spec["name"] = validate_name(spec.get("name") or trainer.name, "name")
     spec["budget"] = _validate_budget(_mapping(spec["budget"], "budget"), site)
-    spec["resources"] = _validate_resources(_mapping(spec["resources"], "resources"), site)
+    spec["resources"] = _validate_resources(_mapping(spec["resources"], "resources"), site, trainer)
     spec["env"] = validate_env(spec.get("env"), "env")
     spec["requirements"] = _str_list(spec.get("requirements"), "requirements")
     spec["scheduler_flags"] = validate_scheduler_flags(spec.get("scheduler_flags"), "scheduler_flags")
     spec["args"] = trainer.validate_args(_mapping(spec.get("args"), "args"))
+    trainer.check_world(spec["args"], world_size(spec["resources"]))
     site = _validate_site(site, spec["budget"]["hours"])
     if site["trainer_python"] and spec["requirements"]:
         raise SpecError(f"requirements: {spec['requirements']!r} are not installed when site.trainer_python is set "

@@ -11,6 +11,7 @@ from test_render import FIXED, PY, bash_n, check_golden
 
 VERL_RECIPES = ["tinyzero-countdown-ppo", "tinyzero-countdown-grpo", "verl-gsm8k-grpo", "verl-gsm8k-gspo"]
 MAXTEXT_RECIPES = ["maxtext-llama3.1-8b-grpo", "maxtext-llama3.1-8b-gspo"]
+BUILTIN_GPU_RECIPES = ["gsm8k-grpo", "gsm8k-gspo", "countdown-grpo", "mbpp-code-grpo", "tinyzero-countdown-builtin"]
 PERLMUTTER = ["--site", "perlmutter", "--account", "m1234_g", "--hours", "4"]
 # The TPU site needs a project, zone and bucket; any well-formed values render the same script.
 TPU = ["--site", "tpu-v5p-8", "--hours", "4", "--set", "site.project=hpcrl-demo",
@@ -61,6 +62,42 @@ def test_verl_multinode_script_starts_ray_head_and_workers_through_srun(tmp_path
     cmd = verl_command(text)
     assert " trainer.nnodes=2 " in cmd and "ray_kwargs.ray_init.num_cpus" not in cmd
     check_golden("verl-multinode-perlmutter.sh", text)
+
+
+@pytest.mark.parametrize("recipe", BUILTIN_GPU_RECIPES)
+def test_builtin_gpu_recipe_uses_every_gpu_of_the_node_it_pays_for(tmp_path, recipe):
+    text = render_recipe(tmp_path, recipe, *PERLMUTTER, "--name", recipe, PY)
+    bash_n(text)
+    assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=4" in text
+    cmd = next(ln.strip() for ln in text.splitlines() if "torch.distributed.run" in ln)
+    assert cmd.startswith("srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=128 ")
+    assert " --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d " in cmd
+    assert cmd.endswith(f"-m hpcrl.rl.train --config /pscratch/sd/u/user/hpcrl/runs/{recipe}/trainer.json")
+    recipe_text = (ROOT / "hpcrl" / "recipes" / f"{recipe}.yaml").read_text()
+    head = recipe_text[:recipe_text.index("\nname:")]
+    assert "Hardware:" in head and "4x A100" in head and re.search(r"~\d+ GB of 40", head), \
+        "each GPU recipe states its hardware and expected memory"
+
+
+def test_tinyzero_sized_builtin_recipe_shards_with_fsdp_like_its_verl_twin(tmp_path):
+    import yaml
+
+    text = render_recipe(tmp_path, "tinyzero-countdown-builtin", *PERLMUTTER, "--name", "tzb", PY)
+    assert "--nproc-per-node 4" in text
+    ours = yaml.safe_load((ROOT / "hpcrl" / "recipes" / "tinyzero-countdown-builtin.yaml").read_text())
+    verl = yaml.safe_load((ROOT / "hpcrl" / "recipes" / "tinyzero-countdown-grpo.yaml").read_text())
+    a, v = ours["args"], verl["args"]
+    assert a["parallel"] == "fsdp" and a["model"] == v["model"] and a["train_files"] == v["train_files"]
+    assert (a["batch_size"], a["group_size"], a["lr"], a["beta"]) == (v["train_batch_size"], v["rollout_n"],
+                                                                     v["actor_lr"], v["kl_coef"])
+    assert a["batch_size"] // a["mini_batches"] == v["ppo_mini_batch_size"]
+    assert ours["resources"] == verl["resources"]
+
+
+@pytest.mark.parametrize("recipe", ["countdown-tiny", "code-tiny", "smoke"])
+def test_cpu_recipes_stay_one_process_on_the_local_site(tmp_path, recipe):
+    text = render_recipe(tmp_path, recipe, "--site", "local", "--name", recipe)
+    assert "torch.distributed.run" not in text and "HPCRL_STOP_FILE" not in text
 
 
 @pytest.mark.parametrize("recipe", MAXTEXT_RECIPES)

@@ -45,6 +45,16 @@ class JobInfo:
     exit_code: int | None = None
 
 
+@dataclass
+class RankLaunch:
+    """How a torchrun trainer's ranks start under this scheduler (Backend.rank_launch). Every
+    element is trusted shell text: literal values quoted by hpcrl.shell.q, variables as Word."""
+
+    prelude: str  # bash run before the trainer (sets the variables the words below use); may be ''
+    prefix: list  # argv before torchrun: what starts one torchrun per node (srun ...); [] for none
+    rendezvous: list  # torchrun's rendezvous options
+
+
 class Backend:
     """A scheduler: everything hpcrl knows about one lives in its backend module.
 
@@ -100,6 +110,14 @@ class Backend:
     def job_layout(self, run_id: str, layout):
         """The run directory as the job sees it (a TPU VM has its own copy elsewhere)."""
         return layout
+
+    def rank_launch(self, resolved: dict) -> RankLaunch:
+        """One torchrun per node of the job, and where their rendezvous is (a world of more than one
+        rank: resources.nodes x resources.ranks_per_node). SpecError where this scheduler cannot."""
+        from ..errors import SpecError
+
+        raise SpecError(f"resources.ranks_per_node / resources.nodes: the {self.name} scheduler cannot start "
+                        f"the ranks of a torchrun trainer; use nodes: 1 and ranks_per_node: 1")
 
     def dry_run(self, resolved: dict, run_id: str, job_script: str) -> str:
         """What `render` shows: the segment script, plus anything else submit would send."""

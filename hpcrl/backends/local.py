@@ -21,7 +21,7 @@ from pathlib import Path
 from ..atomicio import atomic_write_json
 from ..errors import BackendError
 from ..runs import RunLayout
-from .base import Backend, Check, JobInfo, JobState
+from .base import Backend, Check, JobInfo, JobState, RankLaunch
 
 POLL_S = 0.1
 
@@ -90,6 +90,16 @@ class LocalBackend(Backend):
 
     def doctor(self, site: dict) -> list[Check]:
         return [Check("scheduler", "pass", "this machine: segments are process groups with a simulated walltime")]
+
+    def rank_launch(self, resolved: dict) -> RankLaunch:
+        nodes = resolved["spec"]["resources"]["nodes"]
+        if nodes != 1:
+            from ..errors import SpecError
+
+            raise SpecError(f"resources.nodes (--nodes) {nodes}: the local site is this one machine; use nodes: 1 "
+                            f"and more ranks on it with --set resources.ranks_per_node=N")
+        # torchrun's own single-machine rendezvous on a free port: runs side by side never collide
+        return RankLaunch(prelude="", prefix=[], rendezvous=["--standalone"])
 
     def submit(self, run, resolved: dict, after: str | None = None) -> str:
         run_dir, script = run.dir, run.layout.script

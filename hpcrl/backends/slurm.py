@@ -13,7 +13,7 @@ import time
 
 from ..errors import BackendError, SpecError
 from ..proc import run_command, stderr_tail
-from .base import Backend, Check, JobInfo, JobState
+from .base import Backend, Check, JobInfo, JobState, RankLaunch
 
 # Every job state Slurm reports (squeue(1) "JOB STATE CODES"), mapped to ours. Only finished
 # states map to a finished JobState: the lifecycle must never treat a job whose processes may
@@ -349,6 +349,37 @@ def doctor_checks(site: dict, run) -> list[Check]:
     return checks
 
 
+# torchrun's c10d rendezvous port on the first node: derived from the job id, so two jobs that share
+# a node (shared QOS, or a test cluster) do not collide and nothing needs configuring. Below Linux's
+# ephemeral range (32768+), where outgoing connections take their ports.
+RDZV_PORT_BASE, RDZV_PORT_SPAN = 15000, 15000
+
+RANKS_PRELUDE = f"""\
+# torchrun's rendezvous: a c10d store on the first node of the job (every node's torchrun meets
+# there and numbers the ranks), on a port derived from the job id, the job id as rendezvous id.
+hpcrl_rdzv_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+hpcrl_rdzv_port=$(( {RDZV_PORT_BASE} + ${{HPCRL_JOB_ID%%_*}} % {RDZV_PORT_SPAN} ))
+echo "hpcrl: torchrun rendezvous at $hpcrl_rdzv_host:$hpcrl_rdzv_port"
+"""
+
+
+def rank_launch(resolved: dict) -> RankLaunch:
+    """One torchrun per node under srun; a rank that dies takes the whole step down (torchrun ends
+    its node's other ranks, --kill-on-bad-exit every other node's), so the segment fails at once
+    instead of hanging in a collective until the walltime."""
+    from ..shell import Word
+
+    res = resolved["spec"]["resources"]
+    prefix = ["srun", f"--nodes={int(res['nodes'])}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    if res.get("cpus_per_task"):
+        # since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: without it the one task
+        # per node (torchrun and all its ranks) would be bound to a single CPU
+        prefix.append(f"--cpus-per-task={int(res['cpus_per_task'])}")
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", Word('"$hpcrl_rdzv_host:$hpcrl_rdzv_port"'),
+                  "--rdzv-id", Word('"$HPCRL_JOB_ID"')]
+    return RankLaunch(prelude=RANKS_PRELUDE, prefix=prefix, rendezvous=rendezvous)
+
+
 # --- I/O ---------------------------------------------------------------------------------------
 
 class SlurmBackend(Backend):
@@ -358,6 +389,9 @@ class SlurmBackend(Backend):
 
     def directives(self, resolved: dict, run_id: str, layout) -> list[str]:
         return sbatch_directives(sbatch_options(resolved, run_id, layout))
+
+    def rank_launch(self, resolved: dict) -> RankLaunch:
+        return rank_launch(resolved)
 
     def doctor(self, site: dict) -> list[Check]:
         return doctor_checks(site, lambda argv: run_command(argv, timeout_s=30, check=False))

@@ -58,10 +58,18 @@ class Trainer:
     obeys_protocol = True
     # The oldest Python the trainer's requirements install on (`hpcrl doctor` checks the site's).
     python_min = (3, 10)
+<<<<<<< HEAD
     # What a site.trainer_python must have installed (distribution name), and the version hpcrl
     # pins (another one is a warning at submit); None: hpcrl's own code is enough.
     package: str | None = None
     package_version: str | None = None
+=======
+    # Ranks under torchrun (resources.ranks_per_node x resources.nodes): None, the trainer places
+    # its own workers (ranks_hint says how); "gpu", one rank per GPU (default: the GPUs per node);
+    # "any", ranks that need no device (default 1). A world of one runs `command` as it is.
+    ranks: str | None = None
+    ranks_hint = "it uses the GPUs of resources.gpus_per_node itself"
+>>>>>>> dist-launch
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -74,6 +82,10 @@ class Trainer:
         missing or bad values raise a one-line SpecError (hpcrl.schemas.ArgError) naming the key."""
         return self.schema.validate(args)
 
+    def check_world(self, args: dict, world: int) -> None:
+        """Trainers with `ranks`: a SpecError when the validated args cannot run on `world` ranks
+        (resources.nodes x ranks_per_node), so that submit says so instead of a failed job."""
+
     def requirements(self, args: dict, site: dict) -> list[str]:
         """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""
         return []
@@ -84,6 +96,11 @@ class Trainer:
 
     def command(self, ctx: TrainerContext) -> list[str]:
         """argv of the trainer process; the renderer quotes each element."""
+        raise NotImplementedError
+
+    def entry(self, ctx: TrainerContext) -> list[str]:
+        """Trainers with `ranks`: what follows the interpreter in `command` (`-m MODULE ARGS`),
+        which torchrun then starts once per rank."""
         raise NotImplementedError
 
     def env(self, ctx: TrainerContext) -> dict[str, str]:
@@ -108,3 +125,11 @@ class Trainer:
         and cache what it found in the run directory. The default reads the pointer of hpcrl's
         own checkpoint store (hpcrl/ckptstore.py)."""
         return CheckpointStore(ckpt_dir).latest_step()
+
+
+def torchrun_argv(python: str, nodes: int, ranks_per_node: int, rendezvous: list[str], entry: list[str]) -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`: the trainer's own interpreter, whichever venv
+    is active, and no reliance on a `torchrun` script on PATH) starting `entry` on every rank of this
+    node. `rendezvous`: the backend's options (standalone on one machine, c10d on the first node)."""
+    return [python, "-m", "torch.distributed.run", "--nnodes", str(int(nodes)),
+            "--nproc-per-node", str(int(ranks_per_node)), *rendezvous, *entry]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from ..errors import SpecError
 from ..schemas.builtin import SCHEMA
 from .base import Trainer, TrainerContext
 
@@ -25,7 +26,18 @@ VLLM_REQUIREMENTS = ["vllm==0.24.0", "torch==2.11.0", "transformers==5.9.0", "to
 class BuiltinTrainer(Trainer):
     name = "builtin"
     schema = SCHEMA
+<<<<<<< HEAD
     package, package_version = "torch", None
+=======
+    ranks = "gpu"  # torch.distributed: one rank per GPU (gloo CPU ranks where there are none)
+
+    def check_world(self, args: dict, world: int) -> None:
+        # the ranks share a step's prompts with whole GRPO groups on one rank: a rank without a
+        # prompt would have nothing to train on
+        if world > 1 and int(args["batch_size"]) < world:
+            raise SpecError(f"args.batch_size {args['batch_size']}: fewer prompts per step than the {world} ranks "
+                            f"(resources.nodes x ranks_per_node); raise batch_size to at least {world} or use fewer ranks")
+>>>>>>> dist-launch
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS
@@ -42,7 +54,10 @@ class BuiltinTrainer(Trainer):
         return int(a["sft_steps"]) + int(a["total_steps"])
 
     def command(self, ctx: TrainerContext) -> list[str]:
-        return [ctx.python, "-m", "hpcrl.rl.train", "--config", str(ctx.run_dir / "trainer.json")]
+        return [ctx.python, *self.entry(ctx)]
+
+    def entry(self, ctx: TrainerContext) -> list[str]:
+        return ["-m", "hpcrl.rl.train", "--config", str(ctx.run_dir / "trainer.json")]
 
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         # compute nodes usually have no internet: never let transformers try the hub

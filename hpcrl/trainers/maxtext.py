@@ -62,6 +62,7 @@ class MaxTextTrainer(Trainer):
     package, package_version = "maxtext", MAXTEXT_VERSION
     obeys_protocol = False  # exits 0 when done; a walltime kill is a continuation if a checkpoint advanced
     schema = SCHEMA
+    ranks_hint = "JAX on every chip of the TPU VM, the site's chips_per_vm"
 
     def validate_args(self, args: dict) -> dict:
         merged = super().validate_args(args)

@@ -5,7 +5,12 @@ and whenever it stops, honours SIGUSR1, SIGTERM and the deadline, and writes one
 per step. Run it on a debug QOS to test the whole submission chain before a full-scale run; the
 lifecycle tests use it too. `crash_at_step` makes it fail on purpose (crash-loop tests).
 
-Run by the segment script as `python -m hpcrl.trainers.smoke --config RUN_DIR/smoke.json`.
+Run by the segment script as `python -m hpcrl.trainers.smoke --config RUN_DIR/smoke.json`, or
+with `resources.ranks_per_node` / `resources.nodes` above one under torchrun exactly as the built-in
+trainer is (srun + c10d rendezvous on Slurm), to test that launch before a full-scale run: then
+rank 0 trains as above (polling HPCRL_STOP_FILE, its code in HPCRL_EXIT_FILE), and the other ranks
+keep step with it until it has written that file, then exit 0. No torch.distributed: the smoke
+trainer needs no ML stack, only torch's launcher where hpcrl runs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import socket
 import sys
 import time
 
@@ -33,6 +40,7 @@ SCHEMA = Schema("smoke", [
 class SmokeTrainer(Trainer):
     name = "smoke"
     schema = SCHEMA
+    ranks = "any"  # one process unless ranks_per_node / nodes ask for more (then under torchrun)
 
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         return {"smoke.json": json.dumps(ctx.args, indent=1, sort_keys=True) + "\n"}
@@ -41,7 +49,10 @@ class SmokeTrainer(Trainer):
         return int(args.get("steps", SCHEMA.defaults["steps"]))
 
     def command(self, ctx: TrainerContext) -> list[str]:
-        return [ctx.python, "-m", "hpcrl.trainers.smoke", "--config", str(ctx.run_dir / "smoke.json")]
+        return [ctx.python, *self.entry(ctx)]
+
+    def entry(self, ctx: TrainerContext) -> list[str]:
+        return ["-m", "hpcrl.trainers.smoke", "--config", str(ctx.run_dir / "smoke.json")]
 
 
 def _digest(prev: str, step: int) -> str:
@@ -94,13 +105,35 @@ def train(cfg: dict, ctx: protocol.Context) -> int:
     return protocol.EXIT_COMPLETE
 
 
+def follow(cfg: dict, ctx: protocol.Context, rank: int) -> int:
+    """A rank other than 0: step alongside rank 0 until it has written the exit file (it then has
+    saved), then exit 0. A TERM ends it at once (rank 0 saves for everyone); torchrun ends it
+    when another rank dies."""
+    stop = protocol.StopFlag(ctx, margin_s=1.0)
+    while ctx.exit_file is None or not ctx.exit_file.exists():
+        if stop.term:
+            break
+        time.sleep(min(cfg["step_time_s"], 0.2) or 0.05)
+    print(f"smoke: rank {rank} done", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcrl.trainers.smoke")
     parser.add_argument("--config", required=True)
     ns = parser.parse_args(argv)
     with open(ns.config, encoding="utf-8") as f:
         cfg = {**SCHEMA.defaults, **json.load(f)}
-    return train(cfg, protocol.Context.from_env())
+    ctx = protocol.Context.from_env()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        print(f"smoke: rank {rank} of {world} on {socket.gethostname()} (local rank "
+              f"{os.environ.get('LOCAL_RANK', '?')}, node {os.environ.get('GROUP_RANK', '?')})", flush=True)
+    if rank != 0:
+        return follow(cfg, ctx, rank)
+    code = train(cfg, ctx)
+    return code if code not in (protocol.EXIT_COMPLETE, protocol.EXIT_CONTINUE) else \
+        protocol.exit_code_for_launcher(ctx, code)
 
 
 if __name__ == "__main__":

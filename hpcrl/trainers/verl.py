@@ -142,6 +142,7 @@ class VerlTrainer(Trainer):
     obeys_protocol = True  # through verl/launch.py: exit 0 complete, 85 continue
     schema = SCHEMA
     package, package_version = "verl", VERL_VERSION
+    ranks_hint = "Ray workers on resources.gpus_per_node GPUs of each of resources.nodes nodes"
 
     # ------------------------------------------------------------ validation
 
