@@ -58,18 +58,15 @@ class Trainer:
     obeys_protocol = True
     # The oldest Python the trainer's requirements install on (`hpcrl doctor` checks the site's).
     python_min = (3, 10)
-<<<<<<< HEAD
     # What a site.trainer_python must have installed (distribution name), and the version hpcrl
     # pins (another one is a warning at submit); None: hpcrl's own code is enough.
     package: str | None = None
     package_version: str | None = None
-=======
     # Ranks under torchrun (resources.ranks_per_node x resources.nodes): None, the trainer places
     # its own workers (ranks_hint says how); "gpu", one rank per GPU (default: the GPUs per node);
     # "any", ranks that need no device (default 1). A world of one runs `command` as it is.
     ranks: str | None = None
     ranks_hint = "it uses the GPUs of resources.gpus_per_node itself"
->>>>>>> dist-launch
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

@@ -26,9 +26,7 @@ VLLM_REQUIREMENTS = ["vllm==0.24.0", "torch==2.11.0", "transformers==5.9.0", "to
 class BuiltinTrainer(Trainer):
     name = "builtin"
     schema = SCHEMA
-<<<<<<< HEAD
     package, package_version = "torch", None
-=======
     ranks = "gpu"  # torch.distributed: one rank per GPU (gloo CPU ranks where there are none)
 
     def check_world(self, args: dict, world: int) -> None:
@@ -37,7 +35,6 @@ class BuiltinTrainer(Trainer):
         if world > 1 and int(args["batch_size"]) < world:
             raise SpecError(f"args.batch_size {args['batch_size']}: fewer prompts per step than the {world} ranks "
                             f"(resources.nodes x ranks_per_node); raise batch_size to at least {world} or use fewer ranks")
->>>>>>> dist-launch
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS
