@@ -198,6 +198,8 @@ def _warn(message: str) -> None:
 def submit(resolved: dict, run_id: str | None = None) -> Run:
     backend = _site_backend(resolved)
     check_trainer_python(resolved)
+    get_trainer(resolved["spec"]["trainer"]).check_submit(resolved["spec"]["args"],
+                                                          world_size(resolved["spec"]["resources"]))
     run = create_run(resolved, run_id)
     try:
         with run.locked() as state:

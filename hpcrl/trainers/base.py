@@ -83,6 +83,10 @@ class Trainer:
         """Trainers with `ranks`: a SpecError when the validated args cannot run on `world` ranks
         (resources.nodes x ranks_per_node), so that submit says so instead of a failed job."""
 
+    def check_submit(self, args: dict, world: int) -> None:
+        """A SpecError for what renders (so `hpcrl render` still shows the script) but cannot run
+        yet: refused at submit rather than hours later, when the job starts."""
+
     def requirements(self, args: dict, site: dict) -> list[str]:
         """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""
         return []
