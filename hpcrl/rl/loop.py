@@ -93,10 +93,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ segment
 
     def run(self) -> int:
-        try:
-            return self._run()
-        finally:
-            self.dist.close()
+        # No destroy_process_group at the end: under torchrun the process leaves with os._exit
+        # (train.py), and a group torn down while a peer tears down its own can abort in gloo.
+        return self._run()
 
     def _say(self, msg: str) -> None:
         if self.dist.is_main:
