@@ -23,6 +23,14 @@ def _slurm_locks(request):
     """Slurm tests run on several xdist workers at once: see slurm_fixture's locks."""
     node = request.node
     if not node.get_closest_marker("slurm") or node.get_closest_marker("stops_slurmctld"):
+        if node.get_closest_marker("uses_ray") and not node.get_closest_marker("stops_slurmctld"):
+            # a local Ray (the verl tier) must not run beside the two-node Ray tests either: in
+            # one full run they overlapped and the Slurm test's worker failed with InvalidAuthToken
+            from slurm_fixture import ray_to_myself
+
+            with ray_to_myself():
+                yield
+            return
         yield
         return
     from slurm_fixture import cluster_shared, ray_to_myself
