@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import yaml
 
 from hpcrl.errors import SpecError
 from hpcrl.trainers import verl_launch
-from hpcrl.trainers.verl import VERL_VERSION, VerlTrainer, compose, ray_bootstrap, verl_checkpoint_step, verl_config_dir
+from hpcrl.trainers.verl import VERL_VERSION, VerlTrainer, compose, ray_auth, ray_bootstrap, verl_checkpoint_step, verl_config_dir
 
 from helpers import adapter_context, protocol_env
 
@@ -170,10 +171,35 @@ def test_files_ship_launcher_and_reward(tmp_path):
     assert "def compute_score(" in files["verl/rewards.py"]
 
 
-def test_single_node_has_no_bootstrap_and_gives_ray_the_cpus():
+def test_single_node_starts_no_ray_cluster_and_gives_ray_the_cpus():
     trainer, ctx = ctx_for(base_args())
-    assert trainer.bootstrap(ctx) == ""
+    script = trainer.bootstrap(ctx)
+    assert "srun" not in script and "start --head" not in script  # verl's ray.init() starts Ray
+    assert "export RAY_AUTH_MODE=token" in script  # but with a token of its own (ray_auth)
     assert "ray_kwargs.ray_init.num_cpus=128" in trainer.command(ctx)
+
+
+def run_auth(tmp_path, env_extra: dict) -> dict:
+    """Runs ray_auth's bash in a real shell with a clean home; the environment it leaves."""
+    script = tmp_path / "auth.sh"
+    script.write_text(ray_auth(sys.executable) + 'echo "mode=$RAY_AUTH_MODE"; echo "token=${RAY_AUTH_TOKEN:-}"\n')
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), **env_extra}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+    assert not any(home.iterdir()), "nothing written to the home"
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
+def test_ray_auth_gives_each_segment_a_fresh_token_in_the_environment_only(tmp_path):
+    # Ray >= 2.5x: a ~/.ray/auth_token left by any local ray.init() turns token auth on for a head
+    # but not for a joining worker (InvalidAuthToken); an explicit mode and token fixes both
+    first, second = run_auth(tmp_path, {}), run_auth(tmp_path, {})
+    assert first["mode"] == "token" and re.fullmatch(r"[0-9a-f]{64}", first["token"])
+    assert first["token"] != second["token"]
+    assert first["token"] not in ray_auth(sys.executable)  # made when the job runs, not rendered
+    # a mode the user chose (spec or site env) is theirs
+    assert run_auth(tmp_path, {"RAY_AUTH_MODE": "disabled"}) == {"mode": "disabled", "token": ""}
 
 
 def test_multi_node_bootstrap_is_valid_bash_and_quotes_python(tmp_path):

@@ -247,7 +247,7 @@ class VerlTrainer(Trainer):
 
     def bootstrap(self, ctx: TrainerContext) -> str:
         if not _uses_ray_cluster(ctx):
-            return ""
+            return ray_auth(ctx.python)  # verl's own ray.init() would write ~/.ray/auth_token
         return ray_bootstrap(ctx.python, int((ctx.resources or {}).get("nodes") or 1),
                              _gpus_per_node(ctx), ctx.args["ray_port"])
 
@@ -371,6 +371,29 @@ def _first_failing(overrides: list[str]) -> str:
 # ------------------------------------------------------------------ bootstrap script
 
 
+def ray_auth(python: str) -> str:
+    """Bash that gives this segment's Ray one token of its own, in the environment only.
+
+    Ray >= 2.5x turns token authentication on by itself: a local `ray.init()` writes
+    ~/.ray/auth_token, and from then on every `ray start --head` of that user (on Perlmutter, on
+    any node: $HOME is shared) requires the token, while a joining `ray start --address` worker
+    does not look for it and fails with InvalidAuthToken (measured on the two-node test cluster).
+    An explicit RAY_AUTH_MODE makes head, workers and driver agree; a fresh token per segment
+    keeps other users on the nodes' network out of the cluster. srun passes the environment to
+    every node, so the token is never written to a file (not the script, the run directory or
+    the home). A RAY_AUTH_MODE the user set (spec or site env) is left as it is. Older Ray
+    ignores both variables.
+    """
+    return f"""\
+# --- Ray authentication (hpcrl verl adapter): a token for this segment, never on disk ---
+if [ -z "${{RAY_AUTH_MODE:-}}" ]; then
+    export RAY_AUTH_MODE=token
+    RAY_AUTH_TOKEN=$({q(python)} -c 'import secrets; print(secrets.token_hex(32))')
+    export RAY_AUTH_TOKEN
+fi
+"""
+
+
 def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str:
     """Bash that starts a Ray head on the batch node and a worker on each other node (via srun),
     waits until all `nodes` have joined, and exports RAY_ADDRESS for the driver.
@@ -385,7 +408,7 @@ def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str
     # runs no Ray Serve, the one thing draining is for.
     ray = (f"env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 {q(python)} "
            f"-c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = \"ray\"; main()'")
-    return f"""\
+    return ray_auth(python) + f"""\
 # --- Ray cluster over the allocation (hpcrl verl adapter) ---
 hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 hpcrl_head=${{hpcrl_nodes[0]}}

@@ -84,6 +84,15 @@ trainer_py="$venv/bin/python"
 
 cd "$HPCRL_RUN_DIR"
 
+# Trainer bootstrap (from the trainer adapter)
+# --- Ray authentication (hpcrl verl adapter): a token for this segment, never on disk ---
+if [ -z "${RAY_AUTH_MODE:-}" ]; then
+    export RAY_AUTH_MODE=token
+    RAY_AUTH_TOKEN=$("$trainer_py" -c 'import secrets; print(secrets.token_hex(32))')
+    export RAY_AUTH_TOKEN
+fi
+
+
 
 # The trainer runs in the background so that the traps below run while it works. A small
 # subshell runs it in its foreground and writes its exit status to a file: bash (5.2) can lose a

@@ -85,6 +85,12 @@ trainer_py="$venv/bin/python"
 cd "$HPCRL_RUN_DIR"
 
 # Trainer bootstrap (from the trainer adapter)
+# --- Ray authentication (hpcrl verl adapter): a token for this segment, never on disk ---
+if [ -z "${RAY_AUTH_MODE:-}" ]; then
+    export RAY_AUTH_MODE=token
+    RAY_AUTH_TOKEN=$("$trainer_py" -c 'import secrets; print(secrets.token_hex(32))')
+    export RAY_AUTH_TOKEN
+fi
 # --- Ray cluster over the allocation (hpcrl verl adapter) ---
 hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 hpcrl_head=${hpcrl_nodes[0]}
