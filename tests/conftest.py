@@ -20,26 +20,40 @@ except ImportError:
 
 @pytest.fixture(autouse=True)
 def _slurm_locks(request):
-    """Slurm tests run on several xdist workers at once: see slurm_fixture's locks."""
+    """Slurm and Ray tests run on several xdist workers at once: see slurm_fixture's locks."""
     node = request.node
-    if not node.get_closest_marker("slurm") or node.get_closest_marker("stops_slurmctld"):
-        if node.get_closest_marker("uses_ray") and not node.get_closest_marker("stops_slurmctld"):
-            # a local Ray (the verl tier) must not run beside the two-node Ray tests either: in
-            # one full run they overlapped and the Slurm test's worker failed with InvalidAuthToken
-            from slurm_fixture import ray_to_myself
-
-            with ray_to_myself():
-                yield
-            return
+    slurm = node.get_closest_marker("slurm") and not node.get_closest_marker("stops_slurmctld")
+    ray = node.get_closest_marker("uses_ray")
+    if not slurm and not ray:
         yield
         return
     from slurm_fixture import cluster_shared, ray_to_myself
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(cluster_shared())
-        if node.get_closest_marker("uses_ray"):
-            stack.enter_context(ray_to_myself())
+        if slurm:
+            stack.enter_context(cluster_shared())
+        if ray:  # a local Ray (the verl tier) too: it shares this machine's ports with the Slurm ones
+            stack.enter_context(ray_to_myself(*ray.args))
         yield
+
+
+# Files that run longest go to the xdist workers first (scripts/test turns off xdist's own
+# order, which sorts files by their number of tests and so started the verl tier, 3 tests and
+# ~8 minutes, last: in one CI run the suite then waited 8 minutes on it alone).
+LONGEST_FIRST = ("test_verl_tier.py", "test_slurm_two_nodes.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def rank(path: str):
+        name = path.rsplit("/", 1)[-1]
+        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return (first, -len(by_file[path]), path)  # then as xdist would: most tests first
+
+    items[:] = [item for path in sorted(by_file, key=rank) for item in by_file[path]]
 
 
 @pytest.fixture

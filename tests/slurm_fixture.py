@@ -53,9 +53,13 @@ class SlurmCluster:
 # (they mostly wait on the scheduler). Two locks keep them out of each other's way (files under
 # /tmp: one machine, every worker): every Slurm test holds the cluster shared while it runs, the
 # test that stops slurmctld (marker stops_slurmctld) takes it for itself; tests that start a Ray
-# cluster (marker uses_ray: fixed ports) run one at a time. tests/conftest.py applies them.
+# cluster (marker uses_ray) run one at a time per network namespace: Ray's fixed ports (dashboard
+# agent, the two-node test's head) and the Ray tests' own checks for daemons left behind see one
+# namespace. `uses_ray` alone is this machine's own network (the verl tier);
+# `uses_ray("slurm-nodes")` the test cluster nodes' namespaces (both Slurm Ray tests). tests/conftest.py
+# applies them.
 CLUSTER_LOCK = Path("/tmp/hpcrl-slurm-tests.lock")
-RAY_LOCK = Path("/tmp/hpcrl-slurm-ray.lock")
+RAY_LOCKS = {"host": Path("/tmp/hpcrl-ray-host.lock"), "slurm-nodes": Path("/tmp/hpcrl-ray-slurm-nodes.lock")}
 
 
 @contextlib.contextmanager
@@ -73,9 +77,9 @@ def cluster_shared():
     return _cluster_lock(fcntl.LOCK_SH)
 
 
-def ray_to_myself():
-    """Held by a test that starts a Ray cluster on the test nodes (Ray's ports are fixed)."""
-    return _cluster_lock(fcntl.LOCK_EX, RAY_LOCK)
+def ray_to_myself(network: str = "host"):
+    """Held by a test that starts a Ray cluster in `network` (a key of RAY_LOCKS)."""
+    return _cluster_lock(fcntl.LOCK_EX, RAY_LOCKS[network])
 
 
 def cluster_to_myself():

@@ -30,7 +30,7 @@ import yaml
 from helpers import hpcrl, run_dir, run_state, started, wait_for_run, wait_until
 from hpcrl.runs import Run
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(480), pytest.mark.uses_ray]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(480), pytest.mark.uses_ray("slurm-nodes")]
 pytest.importorskip("ray", reason="real Ray (scripts/setup installs it) is needed to run the bootstrap")
 
 STEPS = 14

@@ -21,7 +21,7 @@ import yaml
 
 from helpers import hpcrl, wait_for_run
 
-pytestmark = [pytest.mark.slurm, pytest.mark.uses_ray]
+pytestmark = [pytest.mark.slurm, pytest.mark.uses_ray("slurm-nodes")]
 pytest.importorskip("ray", reason="real Ray (scripts/setup installs it) is needed to run the bootstrap")
 
 STANDIN_DRIVER = '''\
@@ -48,14 +48,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cluster_netns() -> set[str]:
+    """The network namespaces the test cluster's jobs run in, as /proc/PID/ns/net reads them:
+    each node's own on the Perlmutter-shaped cluster (HPCRL_SLURM_NETNS), else this machine's."""
+    paths = [p.split("=", 1)[1] for p in os.environ.get("HPCRL_SLURM_NETNS", "").split(",") if "=" in p]
+    return {f"net:[{os.stat(p).st_ino}]" for p in paths if os.path.exists(p)} or {os.readlink("/proc/self/ns/net")}
+
+
 def _ray_daemons() -> list[str]:
-    """Command lines of Ray's node daemons running on this machine (GCS server, raylet)."""
+    """Command lines of Ray's node daemons (GCS server, raylet) where the cluster's jobs run. Ray
+    elsewhere (the verl tier's, on this machine's own network) runs beside this test, under
+    another lock (slurm_fixture.RAY_LOCKS), and is not this test's business."""
+    nets = _cluster_netns()
     out = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             argv0 = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            if os.readlink(proc / "ns" / "net") not in nets:
+                continue
         except OSError:
             continue
         if os.path.basename(argv0) in ("gcs_server", "raylet"):
