@@ -265,6 +265,7 @@ def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float, 
     backend = for_site(spec["site"])
     step = checkpoint_step(run, spec, remote=True)
     job_end = _job_end(backend, run, str(job_id), environ, run.state()["budget"]["hours"])
+    protocol.take_error(run.dir)  # an earlier attempt's reason is history (and in state.json)
     with run.locked() as state:
         seg, actions = lifecycle.begin(state, str(job_id), step, clock(),
                                        chains=not backend.reconciles_outside_job)
@@ -335,7 +336,8 @@ def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
     with run.locked() as state:
         actions = lifecycle.end(state, str(job_id), rc, step, clock(), obeys_protocol=_trainer(run, spec).obeys_protocol,
                                 chains=not backend.reconciles_outside_job, exit_complete=protocol.EXIT_COMPLETE,
-                                exit_continue=protocol.EXIT_CONTINUE, error_tail=lambda: error_tail(run, state))
+                                exit_continue=protocol.EXIT_CONTINUE, error_tail=lambda: error_tail(run, state),
+                                error=protocol.take_error(run.dir))
         run.layout.checkpointing_flag.unlink(missing_ok=True)
         try:
             _carry_out(run, state, actions, backend)

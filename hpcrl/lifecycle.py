@@ -300,8 +300,9 @@ def needs_successor(state: dict, job_id: str) -> list:
 
 
 def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obeys_protocol: bool,
-        chains: bool, exit_complete: int, exit_continue: int, error_tail=None) -> list:
-    """The trainer of a segment exited with `rc` (`_segment end`). Returns the actions."""
+        chains: bool, exit_complete: int, exit_continue: int, error_tail=None, error: str | None = None) -> list:
+    """The trainer of a segment exited with `rc` (`_segment end`). Returns the actions.
+    error: the reason the trainer itself gave for failing (protocol.ERROR_FILE), if any."""
     seg = segment_by_job(state, job_id)
     if seg is None or seg_state(seg) != SegState.RUNNING:
         return []
@@ -315,7 +316,11 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
     # advanced its checkpoint is a continuation, whatever its exit code.
     ok = rc == exit_continue or (not obeys_protocol and state["no_progress"] == 0)
     seg["state"] = (SegState.CONTINUE if ok else SegState.FAILED).value
-    add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}", now)
+    if not ok and error:
+        seg["error"] = error
+        error_tail = lambda: error  # noqa: E731 - the trainer's own words beat its log's last lines
+    add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}"
+              + (f": {error}" if not ok and error else ""), now)
     stop = _state_stop(state) or budget_stop(state)
     if stop:
         return finish(state, stop, now, state["run_id"], error_tail)

@@ -26,6 +26,11 @@ continued by the next segment; anything else is a failure. EXIT_NOTHING_TO_DO is
 script's own: `hpcrl _segment begin` exits with it when the run needs no more segments (complete,
 cancelled or out of budget), and the script then exits without starting the trainer.
 
+A trainer that fails for a reason it knows (a full disk, steps its loop ended without saving)
+writes that reason, one line, to RUN_DIR/trainer_error.txt (ERROR_FILE) before it exits non-zero:
+`_segment end` records it with the failed segment, and `status` shows it (a log's last lines are
+often a traceback's or the framework's, not the cause). `_segment begin` removes an old one.
+
 The checkpoint layout is not part of this contract: each trainer adapter says how the launcher
 finds its trainer's last checkpoint (trainers/base.py `checkpoint_step`). hpcrl's own trainers
 (built-in and smoke) share one store, hpcrl/ckptstore.py (step-N directories with a checksum
@@ -53,6 +58,7 @@ ENV_STOP_FILE = "HPCRL_STOP_FILE"
 ENV_EXIT_FILE = "HPCRL_EXIT_FILE"
 
 METRICS_FILE = "metrics.jsonl"
+ERROR_FILE = "trainer_error.txt"  # in RUN_DIR: the failed trainer's own reason, one line
 
 
 # ---------------------------------------------------------------- environment
@@ -199,3 +205,26 @@ def read_last_metrics(path, max_bytes: int = 65536, key: str | None = None) -> d
         if isinstance(rec, dict) and (key is None or key in rec):
             return rec
     return None
+
+
+# ---------------------------------------------------------------- a failure's reason
+
+
+def report_error(run_dir: Path, reason: str) -> None:
+    """Leave `reason` for `_segment end` (ERROR_FILE). Best effort: on a full disk this write may
+    fail too, and the reason is then only in the log."""
+    try:
+        (Path(run_dir) / ERROR_FILE).write_text(" ".join(reason.split())[:500] + "\n", encoding="utf-8")
+    except OSError:
+        pass
+
+
+def take_error(run_dir: Path) -> str | None:
+    """The reason a trainer left (ERROR_FILE), removed once read; None when there is none."""
+    path = Path(run_dir) / ERROR_FILE
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        path.unlink()
+    except OSError:
+        return None
+    return text or None

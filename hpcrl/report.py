@@ -345,9 +345,22 @@ def headline_series(run: Run) -> tuple[str | None, list[float]]:
 
 def detail_sections(run: Run, state: dict, row: dict) -> list[tuple[str, str]]:
     """(label, text) lines of `status RUN` under its table, empty ones left out."""
-    lines = [("reason", row["reason"]), ("note", row.get("note") or ""), ("progress", progress_line(row)),
-             ("cost", cost_line(row)), ("goodput", goodput_line(row)), ("export", export_line(run))]
+    lines = [("reason", row["reason"]), ("error", error_line(state, row["reason"])), ("note", row.get("note") or ""),
+             ("progress", progress_line(row)), ("cost", cost_line(row)), ("goodput", goodput_line(row)),
+             ("export", export_line(run))]
     return [(k, v) for k, v in lines if v]
+
+
+def error_line(state: dict, reason: str) -> str:
+    """Why the newest ended segment failed, in the trainer's words, when it said (and the run's
+    reason does not already)."""
+    ended = [s for s in state["segments"] if s.get("ended") and s.get("rc") is not None]
+    if not ended or ended[-1]["state"] != SegState.FAILED or not ended[-1].get("error"):
+        return ""
+    seg = ended[-1]
+    if seg["error"] in reason:
+        return ""
+    return f"segment {seg.get('k')} failed (exit code {seg['rc']}): {seg['error']}"
 
 
 def detail_paths(run: Run) -> list[tuple[str, Path]]:

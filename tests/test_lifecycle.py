@@ -177,6 +177,50 @@ def test_crash_loop_fails_the_run_with_the_trainers_last_error(chain):
     assert not lifecycle.live_segments(state)
 
 
+def test_a_trainers_own_reason_is_kept_with_its_failed_segment_and_shown(chain):
+    from hpcrl import report
+
+    make_run, clock, sched = chain
+    run = make_run("e")
+    job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
+    (run.dir / protocol.ERROR_FILE).write_text("stale reason of an earlier attempt\n")
+    sched.jobs[job]["state"] = JobState.RUNNING
+    launch.segment_begin(str(run.dir), job, environ={})
+    assert not (run.dir / protocol.ERROR_FILE).exists()  # begin clears the old one
+    run.layout.log(job).write_text("Traceback ...\nOSError: [Errno 28] No space left on device\n")
+    protocol.report_error(run.dir, "disk full at /scratch/ckpt (the previous checkpoint is intact; free space, then resume)")
+    launch.segment_end(str(run.dir), job, 1)
+    sched.jobs[job]["state"] = JobState.COMPLETED
+    state = run.state()
+    seg = state["segments"][0]
+    assert seg["state"] == SegState.FAILED and seg["error"].startswith("disk full at /scratch/ckpt")
+    assert not (run.dir / protocol.ERROR_FILE).exists()  # taken: it lives in state.json now
+    assert any("disk full at /scratch/ckpt" in e["what"] for e in state["events"])
+    text = report.detail(run, state, report.summary(run, state))
+    assert "error: segment 1 failed (exit code 1): disk full at /scratch/ckpt" in text
+    # the next failure without a reason of its own: the crash loop names the last one given
+    segment(run, clock, sched, 1, None)
+    state = run.state()
+    assert state["state"] == RunState.FAILED and "disk full at /scratch/ckpt" not in state["reason"]  # log tail
+    assert "error" not in state["segments"][1]
+
+
+def test_a_crash_loop_names_the_trainers_own_reason(chain):
+    make_run, clock, sched = chain
+    run = make_run("r")
+    for _ in range(2):
+        job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
+        sched.jobs[job]["state"] = JobState.RUNNING
+        launch.segment_begin(str(run.dir), job, environ={})
+        run.layout.log(job).write_text("ray: a worker died\n")
+        protocol.report_error(run.dir, "verl ended at step 16 but its newest checkpoint is step 15")
+        launch.segment_end(str(run.dir), job, 1)
+        sched.jobs[job]["state"] = JobState.COMPLETED
+    state = run.state()
+    assert state["state"] == RunState.FAILED
+    assert state["reason"].endswith("last error: verl ended at step 16 but its newest checkpoint is step 15")
+
+
 def test_progress_between_failures_is_no_crash_loop(chain):
     make_run, clock, sched = chain
     run = make_run()

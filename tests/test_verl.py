@@ -287,9 +287,20 @@ def test_the_job_side_launcher_speaks_the_protocol_names():
     from hpcrl import protocol
 
     assert verl_launch.EXIT_CONTINUE == protocol.EXIT_CONTINUE
+    assert verl_launch.ERROR_FILE == protocol.ERROR_FILE
     assert (verl_launch.ENV_RUN_DIR, verl_launch.ENV_SEGMENT, verl_launch.ENV_DEADLINE, verl_launch.ENV_METRICS) == \
         (protocol.ENV_RUN_DIR, protocol.ENV_SEGMENT, protocol.ENV_DEADLINE, protocol.ENV_METRICS)
     assert "import hpcrl" not in Path(verl_launch.__file__).read_text() and "from hpcrl" not in Path(verl_launch.__file__).read_text()
+
+
+def test_an_end_without_its_last_steps_saved_is_a_failure_with_its_reason(tmp_path):
+    from hpcrl import protocol
+
+    assert verl_launch.unsaved_end(16, 16, tmp_path) == 0 and verl_launch.unsaved_end(None, None, tmp_path) == 0
+    assert not (tmp_path / protocol.ERROR_FILE).exists()
+    assert verl_launch.unsaved_end(16, 15, tmp_path) == verl_launch.EXIT_UNSAVED_END
+    reason = protocol.take_error(tmp_path)
+    assert reason.startswith("verl ended at step 16 but its newest checkpoint is step 15: the last 1 steps are not saved")
 
 
 def fake_verl(tmp_path, body):

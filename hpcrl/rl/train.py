@@ -17,7 +17,7 @@ import sys
 
 from .. import protocol
 
-ERROR_FILE = "trainer_error.txt"  # the reason of the last failure, for `status`
+ERROR_FILE = protocol.ERROR_FILE  # the reason of the last failure, for `status`
 
 
 def main(argv=None) -> int:
@@ -70,10 +70,7 @@ def report_failure(ctx: protocol.Context, reason: str) -> None:
     """One line on stderr (the segment log's last trainer line, which `status` shows for a failed
     segment) and in RUN_DIR/trainer_error.txt, best effort: on a full disk that write may fail too."""
     print(f"hpcrl.rl: error: {reason}", file=sys.stderr, flush=True)
-    try:
-        (ctx.run_dir / ERROR_FILE).write_text(reason + "\n", encoding="utf-8")
-    except OSError:
-        pass
+    protocol.report_error(ctx.run_dir, reason)
 
 
 if __name__ == "__main__":

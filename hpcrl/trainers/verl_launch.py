@@ -38,6 +38,7 @@ from pathlib import Path
 EXIT_CONTINUE = 85
 EXIT_UNSAVED_END = 1  # a failure: the run must not read COMPLETED without its last steps saved
 ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SEGMENT", "HPCRL_DEADLINE", "HPCRL_METRICS"
+ERROR_FILE = "trainer_error.txt"  # protocol.ERROR_FILE (this file is standalone: tests check they agree)
 TRACKER = "latest_checkpointed_iteration.txt"
 ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 ESI_SAVE_S = 60  # verl's should_save_ckpt_esi(save_ckpt_duration=60) default
@@ -223,16 +224,23 @@ def prune_checkpoints(ckpt_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
-def unsaved_end(trained: int | None, saved: int | None) -> int:
+def unsaved_end(trained: int | None, saved: int | None, run_dir: Path | None = None) -> int:
     """verl exited 0: complete only if its last trained step is in a checkpoint. When
     trainer.total_training_steps exceeds epochs x batches verl's loop ends by running out of
-    epochs, skips its is_last_step save and still exits 0: the end of training would be lost."""
+    epochs, skips its is_last_step save and still exits 0: the end of training would be lost.
+    The reason goes to the log and, for `status`, to RUN_DIR/ERROR_FILE (hpcrl/protocol.py)."""
     if trained is None or (saved is not None and saved >= trained):
         return 0
-    print(f"hpcrl: verl ended at step {trained} but its newest checkpoint is step {saved}: the last "
-          f"{trained - (saved or 0)} steps are not saved (its loop ran out of epochs before "
-          f"total_training_steps; set args.total_training_steps to at most epochs x batches per epoch, "
-          f"or leave it null)", file=sys.stderr, flush=True)
+    reason = (f"verl ended at step {trained} but its newest checkpoint is step {saved}: the last "
+              f"{trained - (saved or 0)} steps are not saved (its loop ran out of epochs before "
+              f"total_training_steps; set args.total_training_steps to at most epochs x batches per epoch, "
+              f"or leave it null)")
+    print(f"hpcrl: {reason}", file=sys.stderr, flush=True)
+    if run_dir is not None:
+        try:
+            (Path(run_dir) / ERROR_FILE).write_text(reason + "\n", encoding="utf-8")
+        except OSError:
+            pass
     return EXIT_UNSAVED_END
 
 
@@ -313,7 +321,7 @@ class Supervisor:
         if self.stopped_for_continue:
             return EXIT_CONTINUE
         if self.proc.returncode == 0:
-            return unsaved_end(self.last_trained_step(), read_tracker(Path(self.opts.ckpt_dir)))
+            return unsaved_end(self.last_trained_step(), read_tracker(Path(self.opts.ckpt_dir)), self.run_dir)
         return self.proc.returncode if self.proc.returncode >= 0 else 128 - self.proc.returncode
 
 
