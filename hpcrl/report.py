@@ -346,9 +346,30 @@ def headline_series(run: Run) -> tuple[str | None, list[float]]:
 def detail_sections(run: Run, state: dict, row: dict) -> list[tuple[str, str]]:
     """(label, text) lines of `status RUN` under its table, empty ones left out."""
     lines = [("reason", row["reason"]), ("error", error_line(state, row["reason"])), ("note", row.get("note") or ""),
-             ("progress", progress_line(row)), ("cost", cost_line(row)), ("goodput", goodput_line(row)),
+             ("resources", resources_line(run)), ("progress", progress_line(row)), ("cost", cost_line(row)), ("goodput", goodput_line(row)),
              ("export", export_line(run))]
     return [(k, v) for k, v in lines if v]
+
+
+def resources_line(run: Run) -> str:
+    """What the next segment asks for (resume --nodes / --set resources.* change it): nodes, the
+    world size of a trainer under torchrun, GPUs per node."""
+    try:
+        spec = json.loads(run.layout.spec.read_text(encoding="utf-8"))["spec"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    res = spec.get("resources") or {}
+    nodes, ranks, gpus = int(res.get("nodes") or 1), res.get("ranks_per_node"), res.get("gpus_per_node")
+    parts = [f"{nodes} node{'s' if nodes != 1 else ''}"]
+    if ranks:
+        world = nodes * int(ranks)
+        parts[0] += f" x {ranks} per node = {world} rank{'s' if world != 1 else ''}"
+    if gpus:
+        parts.append(f"{gpus} GPU{'s' if gpus != 1 else ''} per node")
+    parallel = (spec.get("args") or {}).get("parallel") if ranks and nodes * int(ranks) > 1 else None
+    if parallel:
+        parts.append(f"parallel: {parallel}")
+    return ", ".join(parts)
 
 
 def error_line(state: dict, reason: str) -> str:

@@ -104,7 +104,9 @@ def test_resume_on_another_world_size_rewrites_spec_and_script_and_continues(fas
         r = hpcrl("resume", "grow", *args, check=False)
         assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert ((rdir / "spec.json").read_text(), (rdir / "job.sh").read_text()) == before, "a refused resume changes nothing"
+    assert "resources: 1 node x 1 per node = 1 rank" in hpcrl("status", "grow").stdout
     hpcrl("resume", "grow", "--set", "resources.ranks_per_node=2", "--max-segments", "4")
+    assert "resources: 1 node x 2 per node = 2 ranks" in hpcrl("status", "grow").stdout  # what comes next
     assert json.loads((rdir / "spec.json").read_text())["spec"]["resources"]["ranks_per_node"] == 2
     assert "--nproc-per-node 2 --standalone" in (rdir / "job.sh").read_text()
     state = wait_for_run("grow", timeout=180)
