@@ -21,7 +21,7 @@ import yaml
 
 from hpcrl.errors import SpecError
 from hpcrl.trainers import verl_launch
-from hpcrl.trainers.verl import VERL_VERSION, VerlTrainer, compose, ray_auth, ray_bootstrap, verl_checkpoint_step, verl_config_dir
+from hpcrl.trainers.verl import VERL_VERSION, VerlTrainer, compose, ray_env, ray_bootstrap, verl_checkpoint_step, verl_config_dir
 
 from helpers import adapter_context, protocol_env
 
@@ -175,14 +175,14 @@ def test_single_node_starts_no_ray_cluster_and_gives_ray_the_cpus():
     trainer, ctx = ctx_for(base_args())
     script = trainer.bootstrap(ctx)
     assert "srun" not in script and "start --head" not in script  # verl's ray.init() starts Ray
-    assert "export RAY_AUTH_MODE=token" in script  # but with a token of its own (ray_auth)
+    assert "export RAY_AUTH_MODE=token" in script  # but with a token of its own (ray_env)
     assert "ray_kwargs.ray_init.num_cpus=128" in trainer.command(ctx)
 
 
-def run_auth(tmp_path, env_extra: dict) -> dict:
-    """Runs ray_auth's bash in a real shell with a clean home; the environment it leaves."""
+def run_auth(tmp_path, env_extra: dict, show=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")) -> dict:
+    """Runs ray_env's bash in a real shell with a clean home; the environment it leaves."""
     script = tmp_path / "auth.sh"
-    script.write_text(ray_auth(sys.executable) + 'echo "mode=$RAY_AUTH_MODE"; echo "token=${RAY_AUTH_TOKEN:-}"\n')
+    script.write_text(ray_env(sys.executable) + "".join('echo "%s=${%s:-}"\n' % (k, k) for k in show))
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home), **env_extra}
@@ -191,15 +191,26 @@ def run_auth(tmp_path, env_extra: dict) -> dict:
     return dict(line.split("=", 1) for line in out.splitlines())
 
 
-def test_ray_auth_gives_each_segment_a_fresh_token_in_the_environment_only(tmp_path):
+def test_ray_env_gives_each_segment_a_fresh_token_in_the_environment_only(tmp_path):
     # Ray >= 2.5x: a ~/.ray/auth_token left by any local ray.init() turns token auth on for a head
     # but not for a joining worker (InvalidAuthToken); an explicit mode and token fixes both
     first, second = run_auth(tmp_path, {}), run_auth(tmp_path, {})
-    assert first["mode"] == "token" and re.fullmatch(r"[0-9a-f]{64}", first["token"])
-    assert first["token"] != second["token"]
-    assert first["token"] not in ray_auth(sys.executable)  # made when the job runs, not rendered
+    assert first["RAY_AUTH_MODE"] == "token" and re.fullmatch(r"[0-9a-f]{64}", first["RAY_AUTH_TOKEN"])
+    assert first["RAY_AUTH_TOKEN"] != second["RAY_AUTH_TOKEN"]
+    assert first["RAY_AUTH_TOKEN"] not in ray_env(sys.executable)  # made when the job runs, not rendered
     # a mode the user chose (spec or site env) is theirs
-    assert run_auth(tmp_path, {"RAY_AUTH_MODE": "disabled"}) == {"mode": "disabled", "token": ""}
+    assert run_auth(tmp_path, {"RAY_AUTH_MODE": "disabled"}) == {"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": ""}
+
+
+def test_ray_env_leaves_one_gpu_list_where_slurm_sets_two(tmp_path):
+    # Slurm's gres (no Flags=nvidia_gpu_env) sets both; verl's workers refuse both
+    both = {"CUDA_VISIBLE_DEVICES": "0,1", "ROCR_VISIBLE_DEVICES": "0,1"}
+    show = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+    assert run_auth(tmp_path, both, show) == {"CUDA_VISIBLE_DEVICES": "0,1", "ROCR_VISIBLE_DEVICES": ""}
+    assert run_auth(tmp_path, {"ROCR_VISIBLE_DEVICES": "2"}, show) == {"CUDA_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "2"}
+    # inside each srun step too (Slurm sets them again there): the ray command line applies it
+    ray_line = next(ln for ln in ray_bootstrap("python3", 2, 4, 6379).splitlines() if "start --head" in ln)
+    assert "unset ROCR_VISIBLE_DEVICES" in ray_line
 
 
 def test_multi_node_bootstrap_is_valid_bash_and_quotes_python(tmp_path):

@@ -247,7 +247,7 @@ class VerlTrainer(Trainer):
 
     def bootstrap(self, ctx: TrainerContext) -> str:
         if not _uses_ray_cluster(ctx):
-            return ray_auth(ctx.python)  # verl's own ray.init() would write ~/.ray/auth_token
+            return ray_env(ctx.python)  # verl's own ray.init() starts Ray, in this environment
         return ray_bootstrap(ctx.python, int((ctx.resources or {}).get("nodes") or 1),
                              _gpus_per_node(ctx), ctx.args["ray_port"])
 
@@ -371,8 +371,17 @@ def _first_failing(overrides: list[str]) -> str:
 # ------------------------------------------------------------------ bootstrap script
 
 
-def ray_auth(python: str) -> str:
-    """Bash that gives this segment's Ray one token of its own, in the environment only.
+# Slurm's GPU gres sets ROCR_VISIBLE_DEVICES beside CUDA_VISIBLE_DEVICES (and does so again in
+# every srun step) unless gres.conf says Flags=nvidia_gpu_env: measured on the test cluster (Slurm
+# 22.05). verl's workers refuse the pair ("Please don't set ROCR_VISIBLE_DEVICES when
+# HIP/CUDA_VISIBLE_DEVICES is set"), and Slurm names the same devices in both: keep CUDA's, which
+# HIP reads too. Where only ROCR_VISIBLE_DEVICES is set (an AMD site's flags) it stays.
+ONE_GPU_LIST = 'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi'
+
+
+def ray_env(python: str) -> str:
+    """Bash for the batch shell before Ray or verl start: the GPU list fix above, and this
+    segment's Ray gets a token of its own, in the environment only.
 
     Ray >= 2.5x turns token authentication on by itself: a local `ray.init()` writes
     ~/.ray/auth_token, and from then on every `ray start --head` of that user (on Perlmutter, on
@@ -385,7 +394,8 @@ def ray_auth(python: str) -> str:
     ignores both variables.
     """
     return f"""\
-# --- Ray authentication (hpcrl verl adapter): a token for this segment, never on disk ---
+# --- Ray's environment (hpcrl verl adapter): one GPU list; a token for this segment, never on disk ---
+{ONE_GPU_LIST}
 if [ -z "${{RAY_AUTH_MODE:-}}" ]; then
     export RAY_AUTH_MODE=token
     RAY_AUTH_TOKEN=$({q(python)} -c 'import secrets; print(secrets.token_hex(32))')
@@ -406,9 +416,11 @@ def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str
     """
     # No drain on TERM (Ray >= 2.5x waits up to 30 s for a GCS that gets the same TERM): verl
     # runs no Ray Serve, the one thing draining is for.
-    ray = (f"env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 {q(python)} "
+    # Each srun step gets Slurm's GPU variables anew: the fix runs inside the step too.
+    in_step = ONE_GPU_LIST + '; exec env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$@"'
+    ray = (f"bash -c {q(in_step)} ray {q(python)} "
            f"-c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = \"ray\"; main()'")
-    return ray_auth(python) + f"""\
+    return ray_env(python) + f"""\
 # --- Ray cluster over the allocation (hpcrl verl adapter) ---
 hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 hpcrl_head=${{hpcrl_nodes[0]}}

@@ -85,7 +85,8 @@ trainer_py="$venv/bin/python"
 cd "$HPCRL_RUN_DIR"
 
 # Trainer bootstrap (from the trainer adapter)
-# --- Ray authentication (hpcrl verl adapter): a token for this segment, never on disk ---
+# --- Ray's environment (hpcrl verl adapter): one GPU list; a token for this segment, never on disk ---
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi
 if [ -z "${RAY_AUTH_MODE:-}" ]; then
     export RAY_AUTH_MODE=token
     RAY_AUTH_TOKEN=$("$trainer_py" -c 'import secrets; print(secrets.token_hex(32))')

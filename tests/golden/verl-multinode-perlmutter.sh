@@ -85,7 +85,8 @@ trainer_py="$venv/bin/python"
 cd "$HPCRL_RUN_DIR"
 
 # Trainer bootstrap (from the trainer adapter)
-# --- Ray authentication (hpcrl verl adapter): a token for this segment, never on disk ---
+# --- Ray's environment (hpcrl verl adapter): one GPU list; a token for this segment, never on disk ---
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi
 if [ -z "${RAY_AUTH_MODE:-}" ]; then
     export RAY_AUTH_MODE=token
     RAY_AUTH_TOKEN=$("$trainer_py" -c 'import secrets; print(secrets.token_hex(32))')
@@ -117,13 +118,13 @@ hpcrl_ray_stop() {
 }
 trap hpcrl_ray_stop EXIT
 srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \
-    env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --head --node-ip-address="$hpcrl_head_ip" --port=6379 \
+    bash -c 'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi; exec env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$@"' ray "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --head --node-ip-address="$hpcrl_head_ip" --port=6379 \
     --num-cpus "$hpcrl_ray_cpus" --num-gpus 4 --disable-usage-stats --block &
 hpcrl_ray_pids+=($!)
 sleep 10
 for hpcrl_node in "${hpcrl_nodes[@]:1}"; do
     srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \
-        env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus 4 \
+        bash -c 'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi; exec env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$@"' ray "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus 4 \
         --disable-usage-stats --block &
     hpcrl_ray_pids+=($!)
 done

@@ -1,0 +1,69 @@
+"""verl tier through the Slurm test cluster: verl 0.9.1's own trainer, submitted with `hpcrl submit
+--site testcluster`, on a Ray cluster that hpcrl's bootstrap starts on the job's node (`srun ray
+start --head`, `ray_cluster: always`: what a multi-node run does, on one node) and verl's driver
+joins, across two walltime segments of a real Slurm job chain.
+
+The same venv, tiny model and CPU configuration as tests/test_verl_tier.py (its fixtures and
+constants), less what only a local Ray takes: verl joins the bootstrap's cluster, which brings its
+own (fake) GPU count from resources.gpus_per_node. Assertions are on files, never on log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import ROOT, hpcrl, wait_for_run
+from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, DOUBLE_DIR, TINY_ARGS, TRACKER, no_ray_left, ray_processes,  # noqa: F401
+                            segment_metrics, tiny, trained_steps, verl_python)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-nodes"), pytest.mark.timeout(900)]
+
+
+def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resumes(home, slurm_cluster, verl_python,
+                                                                                     tiny, tmp_path):
+    from hpcrl.runs import Run
+
+    name = "vslurm"
+    spec = tmp_path / f"{name}.yaml"
+    hpcrl("init", "--recipe", "tinyzero-countdown-grpo", "--out", spec)
+    # a local Ray's settings (address=local, its own GPU count) cannot be given to a driver that
+    # joins a running cluster: the bootstrap's `ray start --num-gpus` gives the fake GPU instead
+    overrides = [o for o in CPU_OVERRIDES if not o.startswith("+ray_kwargs.ray_init.")]
+    sets = {"site.trainer_python": verl_python, "args.model": tiny / "model",
+            "args.train_files": tiny / "data" / "train.parquet", "args.val_files": tiny / "data" / "test.parquet",
+            "args.ray_cluster": "always", "args.ray_port": 6391,
+            "resources.gpus_per_node": 1, "resources.cpus_per_task": 8, "resources.mem_gb": "null",
+            "budget.hours_min": "null", "env.RAY_TMPDIR": f"/tmp/hpcrl-vt-{os.getpid()}-{name}",
+            "args.overrides": json.dumps(overrides)}
+    # 10,000 steps never finish: each of the two segments must end by its deadline (verl's ESI
+    # save, exit 85), however fast this machine is today; max_segments then stops the run
+    sets.update({f"args.{k}": ("null" if v is None else v) for k, v in {**TINY_ARGS, "total_training_steps": 10_000,
+                                                                         "total_epochs": 1000, "save_freq": 1000}.items()})
+    sets.update({f"env.{k}": v for k, v in CPU_ENV.items()})
+    argv = ["submit", spec, "--site", "testcluster", "--name", name, "--hours", "0.05", "--total-hours", "1",
+            "--max-segments", "2"]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    pythonpath = os.pathsep.join([str(DOUBLE_DIR), os.environ.get("PYTHONPATH", str(ROOT))])
+    hpcrl(*argv, env={"PYTHONPATH": pythonpath})
+    try:
+        state = wait_for_run(name, timeout=800, poll=2)
+    finally:
+        hpcrl("cancel", name, check=False)
+    run = Run.by_id(name)
+    segs = [s for s in state["segments"] if s.get("rc") is not None]
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", state
+    assert [s["rc"] for s in segs] == [85, 85], segs
+    script = run.layout.script.read_text()
+    assert "start --head" in script and "RAY_AUTH_MODE=token" in script  # the bootstrap ran, not verl's own Ray
+    first, second = trained_steps(segment_metrics(run.dir, 1)), trained_steps(segment_metrics(run.dir, 2))
+    assert first and first == list(range(1, len(first) + 1)), first
+    assert second and second[0] == first[-1] + 1 and second == list(range(second[0], second[-1] + 1)), second
+    assert segs[0]["end_step"] == first[-1] and segs[1]["end_step"] == second[-1], segs
+    ckpt = run.layout.checkpoints
+    assert (ckpt / TRACKER).read_text().strip() == str(second[-1])
+    assert (ckpt / f"global_step_{second[-1]}" / "actor").is_dir()
+    no_ray_left()
