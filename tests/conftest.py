@@ -39,8 +39,9 @@ def _slurm_locks(request):
 
 # Files that run longest go to the xdist workers first (scripts/test turns off xdist's own
 # order, which sorts files by their number of tests and so started the verl tier, 3 tests and
-# ~8 minutes, last: in one CI run the suite then waited 8 minutes on it alone).
-LONGEST_FIRST = ("test_verl_tier.py", "test_slurm_two_nodes.py")
+# ~8 minutes, last: in one CI run the suite then waited 8 minutes on it alone). The Slurm verl
+# run (~5 min) holds the Slurm nodes' Ray lock: the two short Ray tests that share it come later.
+LONGEST_FIRST = ("test_verl_tier.py", "test_verl_tier_slurm.py")
 
 
 def pytest_collection_modifyitems(config, items):
