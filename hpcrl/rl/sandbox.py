@@ -252,8 +252,8 @@ class _ForkServer:
     server enforces each deadline itself (SIGKILL to the child's session; the child's pid-1 dies
     with it by PDEATHSIG, and the pid namespace with its init) and reaps only after that kill, so
     a pid it signals is never a reused one. It runs in its own session, with an empty
-    environment, cwd /; it dies with the trainer (PDEATHSIG, and EOF on its socket), and its
-    children die with it. A sample cannot see or signal it (other pid namespace, uid nobody); if
+    environment, cwd /; it leaves when the trainer does (EOF on its socket), and its children
+    die with it (PDEATHSIG: it is single-threaded). A sample cannot see or signal it (other pid namespace, uid nobody); if
     it dies anyway, the next call starts a new one, and a call it dropped runs through the
     spawn path."""
 
@@ -643,11 +643,11 @@ SERVER = r'''
 import socket, select, signal, struct, time, io, resource  # the samples' imports, done once
 
 def serve(fd):
-    libc("prctl")(1, 9)  # PR_SET_PDEATHSIG SIGKILL: it does not outlive the trainer
-    for name in ("unshare", "mount"):
+    # No PDEATHSIG here: it fires when the *thread* that started the server exits (a run_batch
+    # pool thread), not the trainer. The server leaves on EOF of its socket instead, which
+    # comes when the trainer is gone (its end is close-on-exec, never inherited by its spawns).
+    for name in ("prctl", "unshare", "mount"):
         libc(name)
-    if os.getppid() == 1:
-        os._exit(0)
     me = os.getpid()
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
