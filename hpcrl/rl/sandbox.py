@@ -1,7 +1,10 @@
 """Run model-written Python against a row's tests, away from the trainer. Stdlib only (verl's reward
 workers import it through hpcrl.rl.rewards).
 
-One sample = one process tree, started as an argv list (no shell):
+One sample = one process tree. As root (namespaces) it is forked by the trainer's fork server
+(_ForkServer: one pre-started interpreter per trainer process, the harness already loaded) and
+runs the harness's main() below, no exec. Otherwise, and when the server cannot serve, it is
+started as an argv list (no shell):
 
     [unshare --user --map-root-user --mount ... (userns only)]  python -I -S -c BOOT
 
