@@ -263,7 +263,6 @@ class _ForkServer:
     def __init__(self):
         self.lock = threading.Lock()
         self.proc = self.sock = None
-        self.owner = 0
 
     def _start(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -281,12 +280,12 @@ class _ForkServer:
             proc.stdin.close()
         except OSError:
             pass  # it died at start-up: the first send fails and the call falls back
-        self.proc, self.sock, self.owner = proc, mine, os.getpid()
+        self.proc, self.sock = proc, mine
 
     def _stop(self) -> None:
         if self.sock is not None:
             self.sock.close()
-        if self.proc is not None and self.owner == os.getpid():
+        if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -299,9 +298,7 @@ class _ForkServer:
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         with self.lock:
             for _ in range(2):  # a dead server is restarted once per call
-                if self.proc is None or self.owner != os.getpid() or self.proc.poll() is not None:
-                    if self.owner != os.getpid():  # a forked trainer: that server is the parent's
-                        self.proc = self.sock = None
+                if self.proc is None or self.proc.poll() is not None:
                     self._stop()
                     try:
                         self._start()
@@ -314,9 +311,22 @@ class _ForkServer:
                     self._stop()
             return False
 
-    def alive(self) -> bool:
+    def forget(self) -> None:
+        """In a forked trainer process: the server is the parent's, and the lock may have been
+        held by a thread that does not exist here. Drop both (this copy of the socket closes, so
+        the parent's server still sees EOF when the parent goes); a new server starts on demand."""
+        self.lock = threading.Lock()
+        self.proc = self.sock = None
+
+    def alive(self, grace: float = 0.0) -> bool:
         with self.lock:
-            return self.proc is not None and self.proc.poll() is None
+            if self.proc is None:
+                return False
+            try:
+                self.proc.wait(grace)
+                return False
+            except subprocess.TimeoutExpired:
+                return True
 
     def run(self, payload: dict, deadline: float):
         """(output, timed_out), or None when the sample should go through the spawn path."""
@@ -337,8 +347,11 @@ class _ForkServer:
             out, timed_out = _exchange_fds(inp_w, out_r, marshal.dumps(payload), deadline)
         finally:
             os.close(out_r)
-        if not out and not timed_out and not self.alive():
-            return None  # the server died with the sample in it: nothing ran to completion
+        # no result line at all: the server may have died with the sample in it. Its children
+        # get PDEATHSIG before it becomes a zombie, so the pipe's EOF can arrive a moment before
+        # it is seen dead; a sample whose harness died otherwise is rare enough to wait for.
+        if not out and not timed_out and not self.alive(grace=0.1):
+            return None
         return out, timed_out
 
 
@@ -368,6 +381,7 @@ def _exchange_fds(wfd: int, rfd: int, data: bytes, deadline: float) -> tuple[byt
 
 
 _SERVER = _ForkServer()
+os.register_at_fork(after_in_child=_SERVER.forget)
 
 
 def _kill_all(proc, marker: str | None) -> None:

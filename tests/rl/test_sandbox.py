@@ -290,3 +290,14 @@ def test_fork_server_outlives_the_pool_threads_and_leaves_with_the_trainer(mode,
     trainer.kill()
     trainer.wait()
     wait_until(lambda: not _alive(server), 5, "the fork server gone with its trainer")
+
+
+def test_a_forked_trainer_starts_its_own_fork_server(mode):
+    pid = _server_pid(mode)
+    with sandbox._SERVER.lock:  # held by this thread at the fork: the child must not wait on it
+        child = os.fork()
+    if child == 0:
+        ok = sandbox.run_tests("def f(): return 1", OK_TESTS).score == 1.0 and sandbox._SERVER.proc.pid != pid
+        os._exit(0 if ok else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    assert _alive(pid) and _score("def f(): return 1").score == 1.0 and sandbox._SERVER.proc.pid == pid
