@@ -1,7 +1,10 @@
 """Run model-written Python against a row's tests, away from the trainer. Stdlib only (verl's reward
 workers import it through hpcrl.rl.rewards).
 
-One sample = one process tree, started as an argv list (no shell):
+One sample = one process tree. As root (namespaces) it is forked by the trainer's fork server
+(_ForkServer: one pre-started interpreter per trainer process, the harness already loaded) and
+runs the harness's main() below, no exec. Otherwise, and when the server cannot serve, it is
+started as an argv list (no shell):
 
     [unshare --user --map-root-user --mount ... (userns only)]  python -I -S -c BOOT
 
@@ -34,6 +37,7 @@ policy that attacks the harness itself.
 
 from __future__ import annotations
 
+import array
 import functools
 import json
 import marshal
@@ -43,9 +47,12 @@ import secrets
 import select
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -56,6 +63,9 @@ MAX_CODE_CHARS = 100_000     # longer answers are not compiled in the trainer
 _RESULT_CAP = 1 << 16  # bytes of result the trainer reads from one sample, at most
 NS_FLAGS = ["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
 USERNS_FLAGS = ["--user", "--map-root-user", *NS_FLAGS]
+# With namespaces (root), samples fork from one pre-started server instead of exec'ing an
+# interpreter each (see _ForkServer); HPCRL_SANDBOX_FORK_SERVER=0 keeps one exec per sample.
+FORK_SERVER = os.environ.get("HPCRL_SANDBOX_FORK_SERVER", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,8 @@ def isolation(python: str = sys.executable) -> str:
         if name == "userns" and shutil.which("unshare") is None:
             continue
         try:
-            probe = run_tests("def f():\n    return 1", ["assert f() == 1"], Limits(timeout_s=20), name, python)
+            probe = _run("def f():\n    return 1", ["assert f() == 1"], Limits(timeout_s=20), name, python,
+                         time.monotonic(), server=False)
         except OSError:
             continue
         if probe.score == 1.0:
@@ -133,6 +144,15 @@ def _argv(level: str, python: str) -> list:
 # sample does not recompile ~200 lines of source (~2 ms, a third of a bare start), and not in
 # argv, which the interpreter decodes and copies several times (~0.5 ms for 24 KB of hex).
 BOOT = "import marshal,sys;exec(marshal.load(sys.stdin.buffer))"
+
+
+SERVER_BOOT = ("import marshal,sys;g={'__name__':'hpcrl-fork-server','__builtins__':__builtins__};"
+               "exec(marshal.load(sys.stdin.buffer),g);exec(marshal.load(sys.stdin.buffer),g);g['serve'](%d)")
+
+
+@functools.lru_cache(maxsize=None)
+def _server_blob() -> bytes:
+    return marshal.dumps(compile(SERVER, "<hpcrl-sandbox-fork-server>", "exec", dont_inherit=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,11 +181,20 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
         return Result(0.0, 0, len(tests), "syntax_error", time.monotonic() - t0, f"{type(e).__name__}: {e}"[:200])
     level = level or isolation(python)
+    return _run(code, tests, limits, level, python, t0, FORK_SERVER)
+
+
+def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: float, server: bool) -> Result:
     marker = secrets.token_hex(8)
     work = None if level != "plain" else tempfile.mkdtemp(prefix="hpcrl-sandbox-")
     payload = {"code": code, "tests": [_norm_test(t) for t in tests], "nonce": marker,
                "limits": asdict(limits), "ns": level != "plain", "drop": level == "namespaces", "unshare": level == "namespaces",
                "work": work, "prefix": sys.base_prefix}
+    if server and level == "namespaces" and os.path.realpath(python) == os.path.realpath(sys.executable):
+        res = _SERVER.run(payload, t0 + limits.timeout_s)
+        if res is not None:
+            return _parse(res[0], marker, len(tests), res[1], time.monotonic() - t0)
+        # the server could not be (re)started or died with the sample: this one execs instead
     env = {"HPCRL_SANDBOX": marker}  # nothing of the trainer's; the marker finds stragglers (plain)
     try:
         proc = subprocess.Popen(_argv(level, python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -211,6 +240,148 @@ def _exchange(proc, data: bytes, deadline: float) -> tuple[bytes, bool]:
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks), False
+
+
+class _ForkServer:
+    """One long-lived `python -I -S` per trainer process, past start-up and the harness's imports,
+    that forks a child per sample; the child makes the sample's namespaces and runs the harness
+    exactly as a spawned one does (enter_namespaces, private_mounts, worker). What a sample no
+    longer pays: the exec and start-up of an interpreter, unmarshalling the harness, the imports.
+
+    Requests are one SOCK_SEQPACKET message (the timeout) carrying two pipe ends (SCM_RIGHTS):
+    the payload's read end and the result's write end; the trainer writes the payload and reads
+    the result on its own ends, as with a spawned sample. The server never reads a payload (the
+    child does), so no sample's code or tests sit in the memory the next sample forks from. The
+    server enforces each deadline itself (SIGKILL to the child's session; the child's pid-1 dies
+    with it by PDEATHSIG, and the pid namespace with its init) and reaps only after that kill, so
+    a pid it signals is never a reused one. It runs in its own session, with an empty
+    environment, cwd /; it leaves when the trainer does (EOF on its socket), and its children
+    die with it (PDEATHSIG: it is single-threaded). A sample cannot see or signal it (other pid namespace, uid nobody); if
+    it dies anyway, the next call starts a new one, and a call it dropped runs through the
+    spawn path."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc = self.sock = None
+
+    def _start(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", SERVER_BOOT % theirs.fileno()],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env={}, close_fds=True, pass_fds=(theirs.fileno(),), start_new_session=True, cwd="/")
+        except OSError:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        try:
+            proc.stdin.write(_harness_blob(sys.executable) + _server_blob())
+            proc.stdin.close()
+        except OSError:
+            pass  # it died at start-up: the first send fails and the call falls back
+        self.proc, self.sock = proc, mine
+
+    def _stop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+        self.proc = self.sock = None
+
+    def _submit(self, fds: list, timeout: float) -> bool:
+        msg = [struct.pack("d", timeout)]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        with self.lock:
+            for _ in range(2):  # a dead server is restarted once per call
+                if self.proc is None or self.proc.poll() is not None:
+                    self._stop()
+                    try:
+                        self._start()
+                    except OSError:
+                        return False
+                try:
+                    self.sock.sendmsg(msg, rights)
+                    return True
+                except OSError:
+                    self._stop()
+            return False
+
+    def forget(self) -> None:
+        """In a forked trainer process: the server is the parent's, and the lock may have been
+        held by a thread that does not exist here. Drop both (this copy of the socket closes, so
+        the parent's server still sees EOF when the parent goes); a new server starts on demand."""
+        self.lock = threading.Lock()
+        self.proc = self.sock = None
+
+    def alive(self, grace: float = 0.0) -> bool:
+        with self.lock:
+            if self.proc is None:
+                return False
+            try:
+                self.proc.wait(grace)
+                return False
+            except subprocess.TimeoutExpired:
+                return True
+
+    def run(self, payload: dict, deadline: float):
+        """(output, timed_out), or None when the sample should go through the spawn path."""
+        inp_r, inp_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            sent = self._submit([inp_r, out_w], max(0.05, deadline - time.monotonic()))
+        finally:
+            os.close(inp_r)
+            os.close(out_w)
+        if not sent:
+            os.close(inp_w)
+            os.close(out_r)
+            return None
+        # _exchange_fds closes inp_w (the child reads the payload to EOF); closing it again here
+        # could close another thread's new fd of the same number
+        try:
+            out, timed_out = _exchange_fds(inp_w, out_r, marshal.dumps(payload), deadline)
+        finally:
+            os.close(out_r)
+        # no result line at all: the server may have died with the sample in it. Its children
+        # get PDEATHSIG before it becomes a zombie, so the pipe's EOF can arrive a moment before
+        # it is seen dead; a sample whose harness died otherwise is rare enough to wait for.
+        if not out and not timed_out and not self.alive(grace=0.1):
+            return None
+        return out, timed_out
+
+
+def _exchange_fds(wfd: int, rfd: int, data: bytes, deadline: float) -> tuple[bytes, bool]:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(wfd, view):]
+    except OSError:
+        pass
+    finally:
+        os.close(wfd)
+    chunks, size = [], 0
+    while size < _RESULT_CAP:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return b"".join(chunks), True
+        ready, _, _ = select.select([rfd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(rfd, 8192)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks), False
+
+
+_SERVER = _ForkServer()
+os.register_at_fork(after_in_child=_SERVER.forget)
 
 
 def _kill_all(proc, marker: str | None) -> None:
@@ -279,9 +450,17 @@ def run_batch(items: list, limits: Limits = Limits(), workers: int = 0, dedupe: 
 HARNESS = r'''
 # posix, not os: os's module body costs ~1 ms per sample, and these are its functions anyway
 import posix as os, sys, marshal
-def main():
-    p = marshal.loads(sys.stdin.buffer.read())
-    out = os.dup(1)
+def main(src=None, out=None):
+    if src is None:  # spawned: the payload follows the harness on stdin
+        p = marshal.loads(sys.stdin.buffer.read())
+        out = os.dup(1)
+    else:  # forked by the server: the payload comes on its own pipe
+        data, chunk = [], b"x"
+        while chunk:
+            chunk = os.read(src, 1 << 16)
+            data.append(chunk)
+        os.close(src)
+        p = marshal.loads(b"".join(data))
     nul = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(nul, fd)
@@ -317,7 +496,14 @@ def isdir(d):
     except OSError:
         return False
 
+_libc = {}
+
 def libc(name):
+    if name not in _libc:
+        _libc[name] = _make_libc(name)
+    return _libc[name]
+
+def _make_libc(name):
     # libc through _ctypes itself: the ctypes package costs ~3 ms of imports per sample, a
     # third of a bare interpreter start; these few lines are all of it that is needed here
     import _ctypes
@@ -391,6 +577,12 @@ def worker(p, lim, w):
     for k, v in (("HOME", p["work"]), ("TMPDIR", p["work"]), ("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8")):
         os.putenv(k, v)
         os.environ[k.encode()] = v.encode()
+    # forked from the server, os is already imported: its environ wraps posix.environ, the dict
+    # just rewritten; should it ever hold a copy instead, make it agree
+    full_os = sys.modules.get("os")
+    if full_os is not None and getattr(full_os.environ, "_data", os.environ) is not os.environ:
+        full_os.environ._data.clear()
+        full_os.environ._data.update(os.environ)
     cap = lim["output_kb"] * 1024
     class Full(BaseException):
         pass
@@ -459,5 +651,90 @@ def _same(got, want):
     norm = lambda s: [line.rstrip() for line in s.strip().splitlines()]
     return norm(got) == norm(want)
 
-main()
+if __name__ == "__main__":
+    main()
+'''
+
+# The fork server's loop, exec'd in the harness's globals (so main() and libc() are its own).
+SERVER = r'''
+import socket, select, signal, struct, time, io, resource  # the samples' imports, done once
+
+def serve(fd):
+    # No PDEATHSIG here: it fires when the *thread* that started the server exits (a run_batch
+    # pool thread), not the trainer. The server leaves on EOF of its socket instead, which
+    # comes when the trainer is gone (its end is close-on-exec, never inherited by its spawns).
+    for name in ("prctl", "unshare", "mount"):
+        libc(name)
+    me = os.getpid()
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    kids = {}  # pid -> deadline
+    while True:
+        wait = max(0.0, min(kids.values()) - time.monotonic()) if kids else None
+        ready, _, _ = select.select([sock, wake_r], [], [], wait)
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        for pid, deadline in list(kids.items()):
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                del kids[pid]
+                continue
+            if info is None and time.monotonic() < deadline:
+                continue
+            try:  # before the reap: the pid (and so the group) cannot have been reused yet
+                os.killpg(pid, 9)
+            except OSError:
+                pass
+            if info is None:
+                kids[pid] = time.monotonic() + 1.0  # reaped when it has gone
+            else:
+                os.waitpid(pid, 0)
+                del kids[pid]
+        if sock not in ready:
+            continue
+        try:
+            msg, anc, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(2 * 4))
+        except InterruptedError:
+            continue
+        if not msg:
+            os._exit(0)  # the trainer closed its end
+        fds = []
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += struct.unpack("%di" % (len(data) // 4), data[:len(data) - len(data) % 4])
+        if len(fds) != 2 or len(msg) != 8:
+            for f in fds:
+                os.close(f)
+            continue
+        timeout = struct.unpack("d", msg)[0]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child(me, fds[0], fds[1])
+            finally:
+                os._exit(0)
+        for f in fds:
+            os.close(f)
+        kids[pid] = time.monotonic() + timeout
+
+def child(server, src, out):
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    libc("prctl")(1, 9)  # dies with the server, and its pid 1 with it
+    if os.getppid() != server:
+        os._exit(0)
+    os.setsid()  # its own session: the server's killpg reaches it and nothing else
+    lo, hi = sorted((src, out))
+    os.closerange(3, lo)
+    os.closerange(lo + 1, hi)
+    os.closerange(hi + 1, 1 << 16)
+    main(src, out)
 '''

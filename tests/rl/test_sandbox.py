@@ -1,10 +1,14 @@
 """The code sandbox against hostile programs: each scores 0 within a bounded time, the test process
-(standing in for the trainer) keeps running, and nothing the program did outlives the sample."""
+(standing in for the trainer) keeps running, and nothing the program did outlives the sample.
+Every test runs twice where the host has namespaces: samples forked by the fork server, and
+samples spawned one interpreter each (the fallback)."""
 
 import marshal
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +21,13 @@ LEVEL = sandbox.isolation()
 ISOLATED = LEVEL in ("namespaces", "userns")
 FAST = sandbox.Limits(timeout_s=3.0, cpu_s=2)
 OK_TESTS = ["assert f() == 1"]
+SERVED = LEVEL == "namespaces"  # the fork server serves this level only
+
+
+@pytest.fixture(autouse=True, params=["fork", "spawn"] if SERVED else ["spawn"])
+def mode(request, monkeypatch):
+    monkeypatch.setattr(sandbox, "FORK_SERVER", request.param == "fork")
+    return request.param
 
 
 def _score(code, tests=OK_TESTS, limits=FAST):
@@ -198,3 +209,95 @@ def test_compute_score_code_for_verl_and_batch():
     assert [o["score"] for o in out] == [1.0, 0.0] and out[1]["reason"] == "wrong_answer"
     prefix = {"tests": ["assert f(2, 3) == 5"], "prefix": "def f(a, b):\n    return "}
     assert rewards.code_score("a + b", prefix)["score"] == 1.0
+
+
+def _server_pid(mode):
+    if mode != "fork":
+        pytest.skip("the fork server's own tests")
+    assert _score("def f(): return 1").score == 1.0  # started, if it was not
+    return sandbox._SERVER.proc.pid
+
+
+def _alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_fork_server_killed_between_calls_is_restarted(mode):
+    pid = _server_pid(mode)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not _alive(pid), 5, "fork server dead")
+    assert _score("def f(): return 1").score == 1.0
+    assert sandbox._SERVER.proc.pid != pid and _alive(sandbox._SERVER.proc.pid)
+
+
+def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypatch):
+    pid = _server_pid(mode)
+    spawned, popen = [], sandbox.subprocess.Popen
+    def spy(argv, *a, **kw):
+        spawned.append(sandbox.BOOT in argv)
+        return popen(argv, *a, **kw)
+    monkeypatch.setattr(sandbox.subprocess, "Popen", spy)
+    code = "import time\ntime.sleep(1.5)\ndef f(): return 1"
+    results = []
+    t = threading.Thread(target=lambda: results.append(_score(code)))
+    t.start()
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    wait_until(lambda: children.read_text().split(), 5, "the server forked the sample")
+    sample = [int(c) for c in children.read_text().split()]
+    os.kill(pid, signal.SIGKILL)
+    # the forked sample dies with the server (PDEATHSIG, down to its pid 1 and namespace)...
+    wait_until(lambda: not any(map(_alive, sample)), 5, "the forked sample gone with the server")
+    t.join(10)
+    # ...and the call reran it through the spawn path instead of scoring a crash
+    assert results and results[0].score == 1.0, results
+    assert spawned == [True]
+    assert _score("def f(): return 1").score == 1.0 and sandbox._SERVER.proc.pid != pid
+
+
+def test_program_killing_the_servers_process_group_or_everything(mode):
+    pid = _server_pid(mode)
+    code = ("import os, signal\n"
+            "for kill in (lambda: os.killpg(os.getpgid(os.getppid()), 9), lambda: os.killpg(os.getpgid(1), 9),\n"
+            f"             lambda: os.killpg({pid}, 9), lambda: os.kill({pid}, 9), lambda: os.kill(-1, 9)):\n"
+            "    try:\n"
+            "        kill()\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "def f(): return 1")
+    assert _score(code).score == 0.0
+    os.kill(os.getpid(), 0)
+    # nothing of it reaches the server (another pid namespace, uid nobody): the same one serves on
+    assert _alive(pid) and _score("def f(): return 1").score == 1.0 and sandbox._SERVER.proc.pid == pid
+
+
+def test_fork_server_outlives_the_pool_threads_and_leaves_with_the_trainer(mode, tmp_path):
+    pid = _server_pid(mode)
+    items = [("def f(): return 1", OK_TESTS)] * 4
+    for _ in range(2):  # PDEATHSIG would have fired when the first batch's threads ended
+        assert [r.score for r in sandbox.run_batch(items, workers=2, dedupe=False)] == [1.0] * 4
+        assert sandbox._SERVER.proc.pid == pid and _alive(pid)
+    # a trainer killed outright: its server sees EOF on its socket and exits
+    script = ("import sys, time; from hpcrl.rl import sandbox\n"
+              "assert sandbox.run_tests('def f(): return 1', ['assert f() == 1']).score == 1.0\n"
+              "print(sandbox._SERVER.proc.pid, flush=True); time.sleep(60)")
+    trainer = sandbox.subprocess.Popen([sys.executable, "-c", script], stdout=sandbox.subprocess.PIPE, text=True,
+                                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    server = int(trainer.stdout.readline())
+    assert _alive(server)
+    trainer.kill()
+    trainer.wait()
+    wait_until(lambda: not _alive(server), 5, "the fork server gone with its trainer")
+
+
+def test_a_forked_trainer_starts_its_own_fork_server(mode):
+    pid = _server_pid(mode)
+    with sandbox._SERVER.lock:  # held by this thread at the fork: the child must not wait on it
+        child = os.fork()
+    if child == 0:
+        ok = sandbox.run_tests("def f(): return 1", OK_TESTS).score == 1.0 and sandbox._SERVER.proc.pid != pid
+        os._exit(0 if ok else 1)
+    assert os.waitpid(child, 0)[1] == 0
+    assert _alive(pid) and _score("def f(): return 1").score == 1.0 and sandbox._SERVER.proc.pid == pid
