@@ -211,9 +211,13 @@ def test_compute_score_code_for_verl_and_batch():
     assert rewards.code_score("a + b", prefix)["score"] == 1.0
 
 
+# The fork server's own tests run forked only (not once more spawned, as the autouse `mode` would)
+fork_only = pytest.mark.parametrize("mode", ["fork"], indirect=True)
+
+
 def _server_pid(mode):
-    if mode != "fork":
-        pytest.skip("the fork server's own tests")
+    if not SERVED:
+        pytest.skip(f"the fork server serves the 'namespaces' level (root) only; here: {LEVEL}")
     assert _score("def f(): return 1").score == 1.0  # started, if it was not
     return sandbox._SERVER.proc.pid
 
@@ -225,6 +229,7 @@ def _alive(pid):
         return False
 
 
+@fork_only
 def test_fork_server_killed_between_calls_is_restarted(mode):
     pid = _server_pid(mode)
     os.kill(pid, signal.SIGKILL)
@@ -233,6 +238,7 @@ def test_fork_server_killed_between_calls_is_restarted(mode):
     assert sandbox._SERVER.proc.pid != pid and _alive(sandbox._SERVER.proc.pid)
 
 
+@fork_only
 def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypatch):
     pid = _server_pid(mode)
     spawned, popen = [], sandbox.subprocess.Popen
@@ -257,6 +263,7 @@ def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypa
     assert _score("def f(): return 1").score == 1.0 and sandbox._SERVER.proc.pid != pid
 
 
+@fork_only
 def test_program_killing_the_servers_process_group_or_everything(mode):
     pid = _server_pid(mode)
     code = ("import os, signal\n"
@@ -273,6 +280,7 @@ def test_program_killing_the_servers_process_group_or_everything(mode):
     assert _alive(pid) and _score("def f(): return 1").score == 1.0 and sandbox._SERVER.proc.pid == pid
 
 
+@fork_only
 def test_fork_server_outlives_the_pool_threads_and_leaves_with_the_trainer(mode, tmp_path):
     pid = _server_pid(mode)
     items = [("def f(): return 1", OK_TESTS)] * 4
@@ -292,6 +300,7 @@ def test_fork_server_outlives_the_pool_threads_and_leaves_with_the_trainer(mode,
     wait_until(lambda: not _alive(server), 5, "the fork server gone with its trainer")
 
 
+@fork_only
 def test_a_forked_trainer_starts_its_own_fork_server(mode):
     pid = _server_pid(mode)
     with sandbox._SERVER.lock:  # held by this thread at the fork: the child must not wait on it
