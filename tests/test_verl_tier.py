@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +40,11 @@ CPU_OVERRIDES = [
     "actor_rollout_ref.rollout.max_model_len=128", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
     "actor_rollout_ref.rollout.free_cache_engine=False",
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+]
+# ... and for PPO's critic (its own engine settings; its attention: see the test double)
+CRITIC_CPU_OVERRIDES = [
+    "critic.strategy=fsdp2", "critic.fsdp.use_torch_compile=False", "critic.model.use_remove_padding=False",
+    "critic.model.enable_gradient_checkpointing=False",
 ]
 CPU_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "hpcrl_test_cpu_platform_double", "HPCRL_TEST_CPU_DOUBLE": "1",
@@ -82,23 +86,27 @@ def tiny(tmp_path_factory):
     return out
 
 
-def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_segments=4):
+def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_segments=4, overrides=()):
     spec = tmp_path / f"{name}.yaml"
     hpcrl("init", "--recipe", recipe, "--out", spec)
     sets = {"site.trainer_python": verl_python, "args.model": tiny / "model",
             "args.train_files": tiny / "data" / "train.parquet", "args.val_files": tiny / "data" / "test.parquet",
             "resources.gpus_per_node": 1, "resources.cpus_per_task": 8, "resources.mem_gb": "null",
             "budget.hours_min": "null", "env.RAY_TMPDIR": f"/tmp/hpcrl-vt-{os.getpid()}-{name}",
-            "args.overrides": json.dumps(CPU_OVERRIDES)}
+            "args.overrides": json.dumps(CPU_OVERRIDES + list(overrides))}
     sets.update({f"args.{k}": ("null" if v is None else v) for k, v in {**TINY_ARGS, **args}.items()})
     sets.update({f"env.{k}": v for k, v in CPU_ENV.items()})
     argv = ["submit", spec, "--site", "local", "--name", name, "--hours", hours, "--total-hours", "2",
             "--max-segments", max_segments]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
-    # the double's folder on the job's PYTHONPATH, exported by the submitting user (jobs inherit it)
-    pythonpath = os.pathsep.join([str(DOUBLE_DIR), os.environ.get("PYTHONPATH", str(ROOT))])
-    hpcrl(*argv, env={"PYTHONPATH": pythonpath})
+    hpcrl(*argv, env=job_env())
+
+
+def job_env() -> dict:
+    """The double's folder on the job's PYTHONPATH, exported by the user who submits or resumes
+    (a job inherits that environment, as sbatch's default --export=ALL does)."""
+    return {"PYTHONPATH": os.pathsep.join([str(DOUBLE_DIR), os.environ.get("PYTHONPATH", str(ROOT))])}
 
 
 def segment_metrics(run_dir: Path, segment: int) -> list[dict]:
@@ -132,17 +140,32 @@ def no_ray_left():
     wait_until(lambda: not ray_processes(), 60, "the run's Ray processes to exit", poll=1, describe=ray_processes)
 
 
-def test_grpo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, tmp_path):
+def test_ppo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, tmp_path):
     from hpcrl.runs import Run
 
-    # 8 epochs = 128 steps: more than fit before segment 1's deadline window (60 s + slowest step + 2)
-    submit("vgrpo", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.05,
-           args={"total_epochs": 8, "save_freq": 1000})
-    state = wait_for_run("vgrpo", timeout=1500, poll=2)
-    run = Run.by_id("vgrpo")
+    # PPO (GAE): the critic trains and is saved and restored beside the actor. (GRPO across
+    # deadlines, chained by hpcrl itself: test_verl_tier_slurm.py; GRPO killed: below.)
+    # Segment 1 has 3 minutes for 128 steps (8 epochs): far more than fit however quiet the machine
+    # (start-up ~55 s, a ~20 s first step, then verl's deadline window of 60 s + its slowest step
+    # before the deadline: ~10-20 steps), so verl saves by the deadline (ESI) and the segment
+    # exits 85; max_segments 1 stops the run there. `resume --hours 0.3` then gives segment 2
+    # eighteen minutes: ~15 minutes of steps after start-up and before the window, room for the
+    # other ~115 at 7 s a step (PPO steps take ~1.5 s here when quiet), so the run completes
+    # whatever today's load.
+    total = 8 * STEPS_PER_EPOCH
+    submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.05,
+           args={"total_epochs": 8, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
+           overrides=CRITIC_CPU_OVERRIDES)
+    state = wait_for_run("vppo", timeout=600, poll=2)
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", state
+    run = Run.by_id("vppo")
+    first = int((run.layout.checkpoints / TRACKER).read_text())
+    assert (run.layout.checkpoints / f"global_step_{first}" / "critic").is_dir()  # the critic saved too
+    hpcrl("resume", "vppo", "--hours", "0.3", "--max-segments", "2", env=job_env())
+    state = wait_for_run("vppo", timeout=1500, poll=2)
     segs = [s for s in state["segments"] if s.get("rc") is not None]
     assert state["state"] == "COMPLETED", state
-    assert len(segs) >= 2 and all(s["rc"] == 85 for s in segs[:-1]) and segs[-1]["rc"] == 0, segs
+    assert [s["rc"] for s in segs] == [85, 0], segs
     steps, seen_val = [], []
     for n in range(1, len(segs) + 1):
         records = segment_metrics(run.dir, n)
@@ -151,12 +174,17 @@ def test_grpo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny,
         if steps:
             # the tracker named the last step of the previous segment; this one starts right after
             assert mine[0] == steps[-1] + 1, (n, mine[:3], steps[-3:])
+        else:
+            steps_in_first = mine[-1]
         steps += mine
-    assert steps == list(range(1, 8 * STEPS_PER_EPOCH + 1))
+    assert steps == list(range(1, total + 1))
+    assert segs[0]["end_step"] == steps_in_first, segs  # the tracker at the deadline named its last step
     assert seen_val[0] and not any(seen_val[1:]), "validation before training in segment 1 only"
     ckpt = run.layout.checkpoints
-    assert (ckpt / TRACKER).read_text().strip() == str(8 * STEPS_PER_EPOCH)
-    assert (ckpt / f"global_step_{8 * STEPS_PER_EPOCH}" / "actor").is_dir()
+    assert (ckpt / TRACKER).read_text().strip() == str(total)
+    assert (ckpt / f"global_step_{total}" / "actor").is_dir() and (ckpt / f"global_step_{total}" / "critic").is_dir()
+    critic_loss = [r["data"].get("critic/vf_loss") for r in segment_metrics(run.dir, 2) if "timing_s/step" in r["data"]]
+    assert all(isinstance(v, (int, float)) for v in critic_loss), "the critic trained at every step of segment 2"
     no_ray_left()
 
 
@@ -171,6 +199,9 @@ def test_more_steps_than_the_data_holds_is_not_completed(home, verl_python, tiny
     run = Run.by_id("vgap")
     assert state["state"] != "COMPLETED", state
     assert max(trained_steps(segment_metrics(run.dir, 1))) == STEPS_PER_EPOCH
+    # status says why, in the launcher's words (the log's last lines are verl's)
+    assert state["segments"][0]["error"].startswith(f"verl ended at step {STEPS_PER_EPOCH} but its newest checkpoint")
+    assert f"error: segment 1 failed (exit code 1): verl ended at step {STEPS_PER_EPOCH}" in hpcrl("status", "vgap").stdout
     assert int((run.layout.checkpoints / TRACKER).read_text()) < STEPS_PER_EPOCH
     no_ray_left()
 
@@ -196,7 +227,7 @@ def test_hard_kill_resumes_from_the_last_periodic_checkpoint(home, verl_python, 
     from helpers import wait_until
     from hpcrl.runs import Run
 
-    # GRPO: the PPO recipe's critic does not start on CPU yet (it still asks for flash-attention 2)
+    # GRPO (PPO's own walltime path is the test above)
     submit("vkill", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.25,
            args={"total_epochs": 2, "save_freq": 4})
     run = Run.by_id("vkill")

@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from helpers import ROOT, hpcrl, wait_for_run
-from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, DOUBLE_DIR, TINY_ARGS, TRACKER, no_ray_left, ray_processes,  # noqa: F401
+from helpers import hpcrl, wait_for_run
+from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, TINY_ARGS, TRACKER, job_env, no_ray_left,  # noqa: F401 (fixtures)
                             segment_metrics, tiny, trained_steps, verl_python)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-nodes"), pytest.mark.timeout(900)]
@@ -47,8 +47,7 @@ def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resu
             "--max-segments", "2"]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
-    pythonpath = os.pathsep.join([str(DOUBLE_DIR), os.environ.get("PYTHONPATH", str(ROOT))])
-    hpcrl(*argv, env={"PYTHONPATH": pythonpath})
+    hpcrl(*argv, env=job_env())
     try:
         state = wait_for_run(name, timeout=800, poll=2)
     finally:

