@@ -145,24 +145,25 @@ def test_ppo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, 
 
     # PPO (GAE): the critic trains and is saved and restored beside the actor. (GRPO across
     # deadlines, chained by hpcrl itself: test_verl_tier_slurm.py; GRPO killed: below.)
-    # Segment 1 has 3 minutes for 128 steps (8 epochs): far more than fit however quiet the machine
-    # (start-up ~55 s, a ~20 s first step, then verl's deadline window of 60 s + its slowest step
-    # before the deadline: ~10-20 steps), so verl saves by the deadline (ESI) and the segment
-    # exits 85; max_segments 1 stops the run there. `resume --hours 0.3` then gives segment 2
-    # eighteen minutes: ~15 minutes of steps after start-up and before the window, room for the
-    # other ~115 at 7 s a step (PPO steps take ~1.5 s here when quiet), so the run completes
-    # whatever today's load.
-    total = 8 * STEPS_PER_EPOCH
-    submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.05,
-           args={"total_epochs": 8, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
+    # Segment 1 has 4.8 minutes for 192 steps (12 epochs): far more than fit however quiet the
+    # machine (start-up ~55 s, a ~20 s first step, then verl's deadline window of 60 s + its
+    # slowest step before the deadline; PPO steps ~1.1 s: ~115 at most), yet room for start-up
+    # and a save by the deadline under heavy load (3-minute segments saved nothing once); verl
+    # saves by the deadline (ESI) and the segment exits 85; max_segments 1 stops the run there.
+    # `resume --hours 0.5` then gives segment 2 thirty minutes, room for the other steps at 5 s
+    # a step (~190 x 5 s + 3 min start-up = 19 min), so the run completes whatever today's load;
+    # when quiet it takes ~3 minutes.
+    total = 12 * STEPS_PER_EPOCH
+    submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.08,
+           args={"total_epochs": 12, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
            overrides=CRITIC_CPU_OVERRIDES)
     state = wait_for_run("vppo", timeout=600, poll=2)
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", state
     run = Run.by_id("vppo")
     first = int((run.layout.checkpoints / TRACKER).read_text())
     assert (run.layout.checkpoints / f"global_step_{first}" / "critic").is_dir()  # the critic saved too
-    hpcrl("resume", "vppo", "--hours", "0.3", "--max-segments", "2", env=job_env())
-    state = wait_for_run("vppo", timeout=1500, poll=2)
+    hpcrl("resume", "vppo", "--hours", "0.5", "--max-segments", "2", env=job_env())
+    state = wait_for_run("vppo", timeout=2000, poll=2)
     segs = [s for s in state["segments"] if s.get("rc") is not None]
     assert state["state"] == "COMPLETED", state
     assert [s["rc"] for s in segs] == [85, 0], segs

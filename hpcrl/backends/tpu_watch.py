@@ -125,8 +125,8 @@ def _observe(run, backend, ops, rec: dict) -> None:
         return  # still queued, running or saving (SUSPENDING)
     if st is not None and raw != "DELETING":
         backend.delete(qr)
-    if done:
-        outcome = "preempted" if raw == "SUSPENDED" else "done"
+    if done:  # a VM whose job ended while its queued resource was being suspended was preempted too
+        outcome = "preempted" if raw in ("SUSPENDING", "SUSPENDED") else "done"
     elif raw == "FAILED":
         outcome = "failed"
         _fail(run, ops, qr, st.error, backend)
