@@ -226,7 +226,12 @@ def _exchange(proc, data: bytes, deadline: float) -> tuple[bytes, bool]:
         proc.stdin.close()
     except (BrokenPipeError, OSError):
         pass
-    fd, chunks, size = proc.stdout.fileno(), [], 0
+    return _read_result(proc.stdout.fileno(), deadline)
+
+
+def _read_result(fd: int, deadline: float) -> tuple[bytes, bool]:
+    """At most _RESULT_CAP bytes from fd until EOF or the deadline; (bytes, timed out)."""
+    chunks, size = [], 0
     while size < _RESULT_CAP:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -364,20 +369,7 @@ def _exchange_fds(wfd: int, rfd: int, data: bytes, deadline: float) -> tuple[byt
         pass
     finally:
         os.close(wfd)
-    chunks, size = [], 0
-    while size < _RESULT_CAP:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return b"".join(chunks), True
-        ready, _, _ = select.select([rfd], [], [], left)
-        if not ready:
-            continue
-        chunk = os.read(rfd, 8192)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks), False
+    return _read_result(rfd, deadline)
 
 
 _SERVER = _ForkServer()
