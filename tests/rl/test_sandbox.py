@@ -248,9 +248,13 @@ def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypa
     monkeypatch.setattr(sandbox.subprocess, "Popen", spy)
     code = "import time\ntime.sleep(1.5)\ndef f(): return 1"
     results = []
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    # the warm-up sample's child can linger a moment after its result (the server reaps it
+    # later); a kill then would land before this sample was sent, and the call would just
+    # restart the server (seen under load in CI)
+    wait_until(lambda: not children.read_text().split(), 5, "the warm-up sample reaped")
     t = threading.Thread(target=lambda: results.append(_score(code)))
     t.start()
-    children = Path(f"/proc/{pid}/task/{pid}/children")
     wait_until(lambda: children.read_text().split(), 5, "the server forked the sample")
     sample = [int(c) for c in children.read_text().split()]
     os.kill(pid, signal.SIGKILL)
