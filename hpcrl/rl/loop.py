@@ -41,10 +41,6 @@ class RLTrainer:
         self.dist = Dist.from_env(cfg)
         # one rank: nothing to shard, the plain path (as ddp on one rank)
         self.fsdp = self.dist.enabled and cfg["parallel"] == "fsdp"
-        if self.fsdp and cfg["rollout"] == "vllm":
-            self.dist.close()
-            raise ValueError("args.parallel: fsdp with rollout: vllm is not built (the engine would need the "
-                             "gathered weights after every step): use rollout: hf or parallel: ddp")
         if cfg["batch_size"] < self.dist.world:
             raise ValueError(f"args.batch_size = {cfg['batch_size']} is less than the {self.dist.world} ranks: "
                              "every rank needs at least one prompt (whole groups per rank)")
@@ -227,11 +223,11 @@ class RLTrainer:
                     self.model.load_state_dict(base.state_dict())
                 if self.ref is not None:
                     self.ref.load_state_dict(base.state_dict())
-                self.rollout.sync_weights(self.model)
+                self._sync_rollout()
             return False
         self.step = self.saved_step = int(state["step"])
         self.sampler = EpochSampler(len(self.train_ids), self.cfg["seed"], **state["sampler"])
-        self.rollout.sync_weights(self.model)  # a vLLM engine started from the base weights
+        self._sync_rollout()  # a vLLM engine started from the base weights
         self._say(f"resumed from {path} at step {self.step} of {self.total} (load {load_s:.2f} s)")
         return True
 
@@ -287,7 +283,7 @@ class RLTrainer:
         self._reduce_grads()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["max_grad_norm"])
         self.optimizer.step()
-        self.rollout.sync_weights(self.model)
+        self._sync_rollout()
         mean = self.dist.sum([loss.item() * ntok])[0] / all_tok
         return {"phase": "sft", "loss": round(mean, 6), "lr": lr, "_tokens": int(all_tok)}
 
@@ -318,7 +314,7 @@ class RLTrainer:
         reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
         adv = algos.group_advantages(local, G, scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
         stats = self._update(batch, adv.to(self.device), row0=mine.start * G)
-        self.rollout.sync_weights(self.model)
+        self._sync_rollout()
         ntok = int(batch.response_mask.sum().item())
         if self.dist.enabled:  # the step's figures over the global batch, in its order
             parts = self.dist.gather((values, ntok))
@@ -412,6 +408,16 @@ class RLTrainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["max_grad_norm"])
         self.optimizer.step()
         return total, stats
+
+    def _sync_rollout(self) -> None:
+        """New weights to a separate engine (vLLM); the HF engines use the model itself. Under fsdp
+        every rank gathers the full state_dict for its engine (a collective: all ranks call this
+        at the same points), held only for the copy."""
+        if self.fsdp and self.cfg["rollout"] == "vllm":
+            self.rollout.sync_weights(fsdp.FullModel(fsdp.full_model_state(self.model, cpu_offload=False),
+                                                     self.model.config))
+        else:
+            self.rollout.sync_weights(self.model)
 
     def _loss_scale(self) -> float:
         # FSDP's reduce-scatter averages over the ranks; the weights above make a global mean
