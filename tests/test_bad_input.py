@@ -79,9 +79,6 @@ CASES = [
     ("trainer: smoke\n", {"mine": "extends: local\nqos_table: {a: {max_hours: 1}}\nqos: b\n"}, ["--site", "mine"], "--qos b: site 'mine' has no such QOS"),
     ("trainer: smoke\n", {"mine": ": : :\n"}, ["--site", "mine"], "is not valid YAML"),
     (None, {}, [], "no spec: pass a spec file"),
-    # renders (to inspect), but refused at submit rather than when the queued job starts
-    ("trainer: builtin\nargs: {parallel: fsdp}\n", {}, ["--set", "resources.ranks_per_node=2"],
-     "args.parallel: fsdp (sharded parameters) is not built yet; use parallel: ddp"),
 ]
 
 

@@ -92,6 +92,10 @@ def test_tinyzero_sized_builtin_recipe_shards_with_fsdp_like_its_verl_twin(tmp_p
                                                                      v["actor_lr"], v["kl_coef"])
     assert a["batch_size"] // a["mini_batches"] == v["ppo_mini_batch_size"]
     assert ours["resources"] == verl["resources"]
+    # parallel: fsdp is built: submit's last check before queueing no longer refuses it
+    from hpcrl.trainers.builtin import BuiltinTrainer
+
+    assert BuiltinTrainer().check_submit(a, 4) is None
 
 
 @pytest.mark.parametrize("recipe", ["countdown-tiny", "code-tiny", "smoke"])

@@ -10,7 +10,7 @@ import torch
 
 from .. import protocol
 from ..schemas.builtin import ALGORITHMS
-from . import algos, checkpoint, data, metrics, policy, prepare, reward_mix, warmup
+from . import algos, checkpoint, data, fsdp, metrics, policy, prepare, reward_mix, warmup
 from .dist import Dist, generator, stream_seed
 from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler
@@ -39,10 +39,8 @@ class RLTrainer:
             torch.set_num_threads(int(cfg["threads"]))
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         self.dist = Dist.from_env(cfg)
-        if self.dist.enabled and cfg["parallel"] == "fsdp":
-            self.dist.close()
-            raise ValueError("args.parallel: fsdp (sharded parameters) is not built yet; every rank holds the "
-                             "whole model and optimizer: use ddp or auto")
+        # one rank: nothing to shard, the plain path (as ddp on one rank)
+        self.fsdp = self.dist.enabled and cfg["parallel"] == "fsdp"
         if cfg["batch_size"] < self.dist.world:
             raise ValueError(f"args.batch_size = {cfg['batch_size']} is less than the {self.dist.world} ranks: "
                              "every rank needs at least one prompt (whole groups per rank)")
@@ -54,7 +52,13 @@ class RLTrainer:
         if self.dist.is_main:
             self.dist.barrier()
         self.model, self.tok = policy.load_policy(self.model_dir, self.device, cfg["dtype"])
-        self.ref = self._make_ref() if cfg["beta"] > 0 else None
+        self.ref = self._make_ref() if cfg["beta"] > 0 else None  # unsharded: forward only, no state
+        if self.fsdp:
+            fsdp.shard(self.model)
+            held = sum(p.to_local().numel() for p in self.model.parameters())
+            total = sum(p.numel() for p in self.model.parameters())
+            self._say(f"fsdp: {len(fsdp.fsdp_modules(self.model))} modules sharded over {self.dist.world} ranks; "
+                      f"rank 0 holds {held} of {total} parameters")
         self.train_ex, self.val_ex = data.load_examples(train_path), data.load_examples(val_path)
         enc = dict(chat_template=cfg["chat_template"], max_prompt_length=cfg["max_prompt_length"])
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
@@ -194,27 +198,36 @@ class RLTrainer:
         # replicated state (ddp): rank 0's copy is every rank's, so rank 0 writes it alone
         state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total}
         keep_ref = self.ref is not None and self.cfg["sft_steps"] > 0  # else ref = the base model on disk
-        self._collective(lambda: self.ckpt.save_now(self.step, self.model, self.optimizer, state,
+        model, optimizer = self.model, self.optimizer
+        if self.fsdp:  # sharded: every rank takes part in gathering the full state to rank 0 (CPU)
+            model = fsdp.FullModel(fsdp.full_model_state(self.model), self.model.config)
+            optimizer = fsdp.FullOptimizer(fsdp.full_optimizer_state(self.model, self.optimizer))
+        self._collective(lambda: self.ckpt.save_now(self.step, model, optimizer, state,
                                                     self.ref if keep_ref else None, background))
         self.saved_step = self.step
 
     def _resume(self) -> bool:
         t0 = time.monotonic()
-        _, path, state = self.ckpt.restore(self.model, self.optimizer, self.ref)
+        # fsdp: every rank reads the full checkpoint into CPU tensors, then keeps its shards
+        target = fsdp.Loading(self.model) if self.fsdp else None
+        _, path, state = self.ckpt.restore(target or self.model, target or self.optimizer, self.ref)
+        if target is not None and path is not None:
+            target.commit(self.optimizer)
         load_s = time.monotonic() - t0
         self.dist.barrier()  # every rank has read it before rank 0 may write (and prune) again
         if path is None:
             if state:  # a damaged checkpoint was partly read into the weights: start clean
                 self._say("no intact checkpoint; starting from the base model")
                 base, _ = policy.load_policy(self.model_dir, self.device, self.cfg["dtype"])
-                self.model.load_state_dict(base.state_dict())
+                if not self.fsdp:  # (under fsdp the damaged file only reached CPU targets)
+                    self.model.load_state_dict(base.state_dict())
                 if self.ref is not None:
                     self.ref.load_state_dict(base.state_dict())
-                self.rollout.sync_weights(self.model)
+                self._sync_rollout()
             return False
         self.step = self.saved_step = int(state["step"])
         self.sampler = EpochSampler(len(self.train_ids), self.cfg["seed"], **state["sampler"])
-        self.rollout.sync_weights(self.model)  # a vLLM engine started from the base weights
+        self._sync_rollout()  # a vLLM engine started from the base weights
         self._say(f"resumed from {path} at step {self.step} of {self.total} (load {load_s:.2f} s)")
         return True
 
@@ -242,7 +255,8 @@ class RLTrainer:
     def _end_of_warmup(self) -> None:
         """The warmed-up model becomes the KL reference; its score shows what RL starts from."""
         if self.ref is not None:
-            self.ref.load_state_dict(self.model.state_dict())
+            self.ref.load_state_dict(fsdp.full_model_state(self.model, cpu_offload=False) if self.fsdp
+                                     else self.model.state_dict())
         if self.cfg["eval_before"]:
             self._evaluate("eval_sft")
 
@@ -265,11 +279,11 @@ class RLTrainer:
         # a mean over every rank's target tokens: this rank's share of them weighs its mean
         all_tok = self.dist.sum([ntok])[0]
         self.optimizer.zero_grad(set_to_none=True)
-        (loss * (ntok / all_tok) if self.dist.enabled else loss).backward()
-        self.dist.all_reduce_grads(self.model.parameters())
+        (loss * (ntok / all_tok * self._loss_scale()) if self.dist.enabled else loss).backward()
+        self._reduce_grads()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["max_grad_norm"])
         self.optimizer.step()
-        self.rollout.sync_weights(self.model)
+        self._sync_rollout()
         mean = self.dist.sum([loss.item() * ntok])[0] / all_tok
         return {"phase": "sft", "loss": round(mean, 6), "lr": lr, "_tokens": int(all_tok)}
 
@@ -287,8 +301,9 @@ class RLTrainer:
         gens = None
         if cfg["rollout"] == "hf":  # each prompt's samples from its own (seed, step, position) stream
             gens = [generator(self.device, cfg["seed"], self.step, p) for p in mine]
-        batch = self.rollout.generate([self.train_ids[idx[p]] for p in mine], n=G, generators=gens,
-                                      abort=self._stop_requested)
+        with fsdp.gathered(self.model, self.fsdp):  # no collective per token: ranks decode at their own pace
+            batch = self.rollout.generate([self.train_ids[idx[p]] for p in mine], n=G, generators=gens,
+                                          abort=self._stop_requested)
         if self.dist.agree_stop("SIGUSR1" if batch is None else None) is not None:
             self._say(f"step {self.step + 1} abandoned in its rollout: stop requested")
             return None
@@ -299,7 +314,7 @@ class RLTrainer:
         reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
         adv = algos.group_advantages(local, G, scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
         stats = self._update(batch, adv.to(self.device), row0=mine.start * G)
-        self.rollout.sync_weights(self.model)
+        self._sync_rollout()
         ntok = int(batch.response_mask.sum().item())
         if self.dist.enabled:  # the step's figures over the global batch, in its order
             parts = self.dist.gather((values, ntok))
@@ -330,7 +345,8 @@ class RLTrainer:
         single = cfg["ppo_epochs"] * cfg["mini_batches"] == 1
         ref_logp = self._logprobs_no_grad(self.ref, batch) if self.ref is not None else None
         if not single and batch.old_logp is None:  # the engine gave none: one extra forward pass
-            batch.old_logp = self._logprobs_no_grad(self.model, batch)
+            with fsdp.gathered(self.model, self.fsdp):  # the ranks' row counts (passes) may differ
+                batch.old_logp = self._logprobs_no_grad(self.model, batch)
         losses, last = [], {}
         for epoch in range(cfg["ppo_epochs"]):
             order = (torch.randperm(total, generator=generator("cpu", cfg["seed"], self.step, "epoch", epoch))
@@ -354,34 +370,63 @@ class RLTrainer:
         this rank's share of the global mini-batch, so the sum is the global mean."""
         cfg = self.cfg
         micro = cfg["micro_batch_size"] or max(1, len(idx))
+        passes = -(-len(idx) // micro)
         all_tokens = batch.response_mask[idx].sum()
         if self.dist.enabled:
             all_tokens = all_tokens.new_tensor(self.dist.sum([all_tokens.item()])[0])
+        if self.fsdp:  # every forward/backward is a collective: each rank runs the most any rank has
+            passes = max(1, int(self.dist.max([passes])[0]))
         all_tokens = all_tokens.clamp(min=1.0)
         global_rows = global_rows or len(idx)
         self.optimizer.zero_grad(set_to_none=True)
         total, stats = 0.0, {}
-        for start in range(0, len(idx), micro):
-            sub = idx[start:start + micro]
+        for k in range(passes):
+            sub = idx[k * micro:(k + 1) * micro]
+            dummy = len(sub) == 0  # this rank has no rows left: one row of its batch, weighted 0
+            if dummy:
+                sub = torch.arange(1)
             mb = batch.select(sub)
             logp = policy.response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                                             mb.response_mask, cfg["temperature"], cfg["group_size"])
             # one update per batch: the policy *is* the sampler, so old = logp without a pass
             old = logp.detach() if single or mb.old_logp is None else mb.old_logp
-            loss, stats = algos.policy_loss(
+            loss, got = algos.policy_loss(
                 logp, old, adv[sub], mb.response_mask, cfg["algorithm"], cfg["clip_low"], cfg["clip_high"],
                 cfg["loss_agg"], None if ref_logp is None else ref_logp[sub], cfg["beta"],
                 norm_len=cfg["max_response_length"])
             # each micro loss is a mean over its own rows: weight it into the mean over all of idx
             weight = mb.response_mask.sum() / all_tokens if cfg["loss_agg"] == "token-mean" else len(sub) / global_rows
-            (loss * weight).backward()
+            if dummy:
+                weight = weight * 0.0
+            else:
+                stats = got
+            (loss * (weight * self._loss_scale())).backward()
             total += loss.item() * float(weight)
-        self.dist.all_reduce_grads(self.model.parameters())
+        self._reduce_grads()
         if self.dist.enabled:
             total = self.dist.sum([total])[0]
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["max_grad_norm"])
         self.optimizer.step()
         return total, stats
+
+    def _sync_rollout(self) -> None:
+        """New weights to a separate engine (vLLM); the HF engines use the model itself. Under fsdp
+        every rank gathers the full state_dict for its engine (a collective: all ranks call this
+        at the same points), held only for the copy."""
+        if self.fsdp and self.cfg["rollout"] == "vllm":
+            self.rollout.sync_weights(fsdp.FullModel(fsdp.full_model_state(self.model, cpu_offload=False),
+                                                     self.model.config))
+        else:
+            self.rollout.sync_weights(self.model)
+
+    def _loss_scale(self) -> float:
+        # FSDP's reduce-scatter averages over the ranks; the weights above make a global mean
+        # that the ddp path sums, so fsdp multiplies the loss back by the world size
+        return float(self.dist.world) if self.fsdp else 1.0
+
+    def _reduce_grads(self) -> None:
+        if not self.fsdp:  # under fsdp the backward itself reduce-scattered them
+            self.dist.all_reduce_grads(self.model.parameters())
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model, batch):
@@ -402,7 +447,9 @@ class RLTrainer:
         bs = self.cfg["eval_batch_size"]
         mine = self.dist.share(len(self.val_ids))  # each rank decodes its share of the split
         abandoned = False
-        with torch.random.fork_rng():  # evaluation must not change the training's random stream
+        # fork: evaluation must not change the training's random stream; gathered (fsdp): the
+        # weights all-gathered once for the phase, so ranks with more batches need no collective
+        with torch.random.fork_rng(), fsdp.gathered(self.model, self.fsdp):
             for start in range(mine.start, mine.stop, bs):
                 # a local check per batch (and inside the decoding); the ranks agree after the loop
                 if self._stop_requested():

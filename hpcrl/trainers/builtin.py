@@ -36,14 +36,6 @@ class BuiltinTrainer(Trainer):
             raise SpecError(f"args.batch_size {args['batch_size']}: fewer prompts per step than the {world} ranks "
                             f"(resources.nodes x ranks_per_node); raise batch_size to at least {world} or use fewer ranks")
 
-    def check_submit(self, args: dict, world: int) -> None:
-        # the trainer refuses it at start too (hpcrl/rl/loop.py); a queued job would wait hours
-        # for that one line
-        if args.get("parallel") == "fsdp" and world > 1:
-            raise SpecError("args.parallel: fsdp (sharded parameters) is not built yet; use parallel: ddp "
-                            "(every rank holds the whole model and optimizer) or the verl recipe "
-                            "tinyzero-countdown-grpo for a model that does not fit one GPU")
-
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS
         if (args or {}).get("wandb_project"):

@@ -103,6 +103,72 @@ def test_two_ranks_match_one(one_rank, two_ranks, base_params):
     assert train == list(range(1, TOTAL + 1))
 
 
+FSDP_ARGS = {**DIST_ARGS, "parallel": "fsdp"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks_fsdp(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fsdp")
+    write_config(run_dir, **FSDP_ARGS)
+    rc, out, err = run_torchrun(run_dir)
+    assert rc == 0, err[-3000:]
+    assert exit_file_code(run_dir) == protocol.EXIT_COMPLETE
+    assert "fsdp: 2 modules sharded over 2 ranks" in out  # the one decoder layer and the root
+    return run_dir
+
+
+def test_fsdp_two_ranks_match_one(one_rank, two_ranks_fsdp, base_params):
+    """FSDP2 on 2 ranks (sharded weights, gradients reduce-scattered by FSDP, rollout and eval on
+    gathered weights) takes the 1-rank run's steps: same rewards, parameters within the bound.
+    DIST_ARGS has 2 mini-batches cut from the global batch, so a rank can hold 0 rows of one (its
+    dummy micro-batch keeps the ranks' collectives in step), and a KL reference."""
+    assert_same_steps(one_rank, two_ranks_fsdp)
+    assert_close_params(params(one_rank), params(two_ranks_fsdp), base_params)
+    evals = [r for r in read_metrics(two_ranks_fsdp) if r.get("phase") == "eval_after"]
+    assert evals and evals[-1]["eval/n"] == DIST_ARGS["eval_size"]
+
+
+def test_fsdp_stopped_by_the_stop_file_resumes_on_one_rank(one_rank, base_params, tmp_path):
+    """fsdp 2 ranks -> 1 plain process: the checkpoint holds the full state (gathered to rank 0),
+    so the 1-rank segment loads it as any other and finishes the straight run."""
+    run_dir = tmp_path / "fsdp-cut"
+    write_config(run_dir, **FSDP_ARGS)
+    proc = start_torchrun(run_dir, step_delay_s=0.5)
+    wait_for_step(run_dir, 3, 120, proc)
+    (run_dir / "stop").touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert exit_file_code(run_dir) == protocol.EXIT_CONTINUE
+    stopped = max(steps(run_dir))
+    assert 3 <= stopped < TOTAL
+    assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped
+    assert f"stopping at step {stopped} (SIGUSR1)" in out
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert f"at step {stopped} of {TOTAL}" in out
+    assert_same_steps(one_rank, run_dir)
+    assert_close_params(params(one_rank), params(run_dir), base_params)
+
+
+def test_one_rank_stopped_then_resume_with_fsdp_on_two(one_rank, base_params, tmp_path):
+    """1 -> fsdp 2: the full checkpoint of a 1-rank segment (the same format as ddp's), read by
+    every rank and sharded into its FSDP model and optimizer."""
+    run_dir = tmp_path / "fsdp-grow"
+    write_config(run_dir, **FSDP_ARGS)  # parallel: fsdp on 1 rank is the plain path
+    proc = start_torchrun(run_dir, nproc=1, step_delay_s=0.5)
+    wait_for_step(run_dir, 3, 120, proc)
+    (run_dir / "stop").touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and exit_file_code(run_dir) == protocol.EXIT_CONTINUE, err[-3000:]
+    stopped = CheckpointStore(run_dir / "checkpoints").latest_step()
+    assert 3 <= stopped < TOTAL
+    rc, out, err = run_torchrun(run_dir, segment=2)
+    assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
+    assert f"at step {stopped} of {TOTAL}" in out
+    assert_same_steps(one_rank, run_dir)
+    assert_close_params(params(one_rank), params(run_dir), base_params)
+
+
 def test_stop_file_stops_both_ranks_then_resume_on_one(one_rank, base_params, tmp_path):
     """USR1 as the segment script delivers it under torchrun (the stop file): every rank stops at
     the same step, one save, exit file 85, torchrun 0; the run then finishes on 1 rank (2 -> 1)."""
