@@ -1,7 +1,8 @@
 """`hpcrl export`: a run's trained model as a Hugging Face directory, with where it came from.
 
-- builtin: a checkpoint of hpcrl's store already holds model.safetensors (the full model, whatever
-  the world size that wrote it), config.json and the tokenizer's files. They are copied out with
+- builtin: a checkpoint of hpcrl's store already holds model.safetensors (or, written in parts by
+  fsdp ranks, Hugging Face's sharded files and their index: whole tensors, whatever the world
+  size that wrote them), config.json and the tokenizer's files. They are copied out with
   each file's digest checked against the manifest on the way (a corrupt checkpoint is refused),
   leaving out what only a resume needs (optimizer, RNG, reference, trainer state). No torch.
 - verl: verl's own merger (`python -m verl.model_merger merge --backend fsdp`) in the run's venv.
@@ -32,6 +33,12 @@ EXPORT_RECORD = "hpcrl-export.json"
 # what only a resume needs: not part of a model directory
 RESUME_ONLY = {"optimizer.safetensors", "optimizer.pt", "ref.safetensors", "rng.pt", "trainer_state.json",
                ckptstore.MANIFEST_FILE}
+# a checkpoint written in parts by fsdp ranks (hpcrl/rl/parts.py): Hugging Face's sharded layout
+MODEL_INDEX = "model.safetensors.index.json"
+
+
+def _resume_only(name: str) -> bool:
+    return name in RESUME_ONLY or (name.startswith("optimizer-") and name.endswith(".safetensors"))
 
 
 def _spec(run: Run) -> dict:
@@ -82,8 +89,9 @@ def export_builtin(run: Run, step: int | None, out: Path) -> dict:
     manifest = ckptstore.read_manifest(path)
     if manifest is None:
         raise HpcrlError(f"checkpoint {path}: missing or unreadable {ckptstore.MANIFEST_FILE}")
-    files = {rel: e for rel, e in manifest["files"].items() if Path(rel).name not in RESUME_ONLY}
-    missing = [f for f in ("model.safetensors", "config.json") if f not in files]
+    files = {rel: e for rel, e in manifest["files"].items() if not _resume_only(Path(rel).name)}
+    weights = MODEL_INDEX if MODEL_INDEX in files else "model.safetensors"
+    missing = [f for f in (weights, "config.json") if f not in files]
     if missing:
         raise HpcrlError(f"checkpoint {path} has no {', '.join(missing)}: not a built-in trainer's model checkpoint")
     tmp = _fresh_out(out)
@@ -95,7 +103,7 @@ def export_builtin(run: Run, step: int | None, out: Path) -> dict:
         record = {"run": run.id, "run_dir": str(run.dir), "trainer": "builtin", "step": step,
                   "checkpoint": str(path), "manifest_sha256": ckptstore.file_digest(path / ckptstore.MANIFEST_FILE,
                                                                                     "sha256"),
-                  "model_digest": files["model.safetensors"], "files": sorted(files), "out": str(out.resolve()),
+                  "model_digest": files[weights], "files": sorted(files), "out": str(out.resolve()),
                   "time": round(time.time(), 3)}
         atomic_write_json(tmp / EXPORT_RECORD, record)
         if out.exists():

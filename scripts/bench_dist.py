@@ -2,8 +2,10 @@
 """The built-in trainer on 1 and 2 ranks (torchrun, gloo, CPU): step time and the share of it
 spent in collectives; stop-file-to-exit latency (a stop in the middle of a rollout) and the
 checkpoint save/load against raw I/O of the same bytes, for the tiny model and the 30 M one.
+--fsdp: only the 2-rank step, save and load with parallel: ddp (rank 0 writes the replicated
+state, every rank reads all of it) against parallel: fsdp (each rank writes and reads its part).
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_dist.py [--steps 12] [--skip-30m]
+    PYTHONPATH=. .venv/bin/python scripts/bench_dist.py [--steps 12] [--skip-30m] [--fsdp]
 
 Everything is a ratio against a baseline measured in the same run (this machine is shared and
 its speed drifts). Prints a markdown table for BENCHMARKS.md.
@@ -137,13 +139,32 @@ def raw_read(path: Path) -> float:
     return time.monotonic() - t0
 
 
+def fsdp_vs_ddp(work: Path, sizes: list) -> int:
+    """One stop in the middle of step 3 on 2 ranks, ddp then fsdp, per model size."""
+    print("| measure (2 ranks) | ddp | fsdp | fsdp / ddp |\n|---|---|---|---|")
+    for name, args in sizes:
+        got = {par: stop_latency(work / par, name, {**args, "parallel": par}, 0.5) for par in ("ddp", "fsdp")}
+        for key, what in (("step_s", "step"), ("save_s", "save (stop)"), ("load_s", "load (resume)"),
+                          ("latency_s", "stop file -> exit")):
+            d, f = got["ddp"][key], got["fsdp"][key]
+            print(f"| {name}: {what} | {d:.3f} s | {f:.3f} s | **{f / max(d, 1e-6):.2f}x** |")
+        print(f"| {name}: checkpoint bytes | {got['ddp']['bytes'] / 1e6:.1f} MB | {got['fsdp']['bytes'] / 1e6:.1f} MB | |")
+        print(f"| {name}: raw write+fsync / 2 concurrent raw reads of those bytes | "
+              f"{got['ddp']['raw_write_s']:.3f} / {got['ddp']['raw_read_s']:.3f} s | "
+              f"{got['fsdp']['raw_write_s']:.3f} / {got['fsdp']['raw_read_s']:.3f} s | |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip-30m", action="store_true")
+    ap.add_argument("--fsdp", action="store_true", help="ddp vs fsdp on 2 ranks: step, save, load")
     ns = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-dist-") as tmp:
         work = Path(tmp)
+        if ns.fsdp:
+            return fsdp_vs_ddp(work, [("tiny", TINY)] + ([] if ns.skip_30m else [("30M", BIG)]))
         one = step_times(1, work, TINY, ns.steps)
         two = step_times(2, work, TINY, ns.steps)
         print("| measure | value |\n|---|---|")

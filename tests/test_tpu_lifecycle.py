@@ -231,7 +231,8 @@ def test_logs_follow_reads_the_bucket_copy_with_hostile_vm_path_and_odd_run_name
 
 def test_cancel_while_running_then_resume_continues_from_the_bucket(cloud):
     cloud.scenario([{"states": ["ACTIVE"]}])
-    out = submit("cr", "--hours", "0.05", "--set", "args.steps=40", "--set", "args.step_time_s=0.1",
+    # 150 steps of 0.1 s: the cancel must land while it trains (40 once finished first under load)
+    out = submit("cr", "--hours", "0.05", "--set", "args.steps=150", "--set", "args.step_time_s=0.1",
                  "--set", "args.save_every=5").stdout
     assert "keep `hpcrl watch cr` running" in out
     watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "cr", "--interval", "0.3"],
@@ -256,7 +257,7 @@ def test_cancel_while_running_then_resume_continues_from_the_bucket(cloud):
     first, second = started(state)
     assert state["state"] == "COMPLETED" and second["job_id"] == "hpcrl-cr-2"
     assert second["start_step"] >= 10, "the new VM resumed from the checkpoint in the bucket"
-    assert sorted({m["step"] for m in read_metrics(run_dir("cr"))}) == list(range(1, 41))
+    assert sorted({m["step"] for m in read_metrics(run_dir("cr"))}) == list(range(1, 151))
 
 
 def test_resume_with_new_hours_changes_the_next_segments_length(cloud):

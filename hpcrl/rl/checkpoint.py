@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import ckptstore
-from . import tensorfile
+from . import parts, tensorfile
 from .tensorfile import CorruptFile
 
 
@@ -47,6 +47,11 @@ def _clone(obj, prev=None):
         prev = prev if isinstance(prev, (list, tuple)) and len(prev) == len(obj) else [None] * len(obj)
         return type(obj)(_clone(v, q) for v, q in zip(obj, prev))
     return obj
+
+
+def snapshot_tensors(obj):
+    """A CPU copy of obj's tensors (a state_dict a background write must not see change)."""
+    return _clone(obj)
 
 
 def rng_state() -> dict:
@@ -83,17 +88,44 @@ def snapshot(model, optimizer, trainer_state: dict, ref_model=None, copy: bool =
     }
 
 
-TENSOR_FILES = ("model.safetensors", "ref.safetensors", "optimizer.safetensors")
+class _TensorFiles:
+    """The files load_into verifies as it reads them (single files and parts alike)."""
+
+    def __contains__(self, rel) -> bool:
+        return str(rel).endswith(".safetensors")
+
+
+TENSOR_FILES = _TensorFiles()
 
 
 def write_snapshot(snap: dict, directory: Path, tokenizer=None) -> dict:
     """Write a snapshot's files; return the manifest entries computed while writing them."""
     directory = Path(directory)
     known = {"model.safetensors": tensorfile.write(directory / "model.safetensors", snap["model"], {"format": "pt"})}
-    if snap["ref"] is not None:
-        known["ref.safetensors"] = tensorfile.write(directory / "ref.safetensors", snap["ref"], {"format": "pt"})
     tensors, meta = _flatten_optimizer(snap["optimizer"])
     known["optimizer.safetensors"] = tensorfile.write(directory / "optimizer.safetensors", tensors, meta)
+    known.update(write_common(snap, directory, tokenizer))
+    return known
+
+
+def write_part(part: dict, directory: Path, rank: int, world: int) -> dict:
+    """One rank's files of a checkpoint written in parts (parts.py): its model tensors and the
+    optimizer state of the same parameters, already flattened ("state.<index>.<key>")."""
+    directory = Path(directory)
+    model, optim = parts.part_name("model", rank, world), parts.part_name("optimizer", rank, world)
+    return {model: tensorfile.write(directory / model, part["model"], {"format": "pt"}),
+            optim: tensorfile.write(directory / optim, part["optimizer"], part["meta"])}
+
+
+def write_common(snap: dict, directory: Path, tokenizer=None) -> dict:
+    """What every checkpoint holds once, whoever wrote the tensors: reference model, RNG,
+    config, tokenizer, trainer state (and, written in parts, the model's index)."""
+    directory = Path(directory)
+    known = {}
+    if snap["ref"] is not None:
+        known["ref.safetensors"] = tensorfile.write(directory / "ref.safetensors", snap["ref"], {"format": "pt"})
+    if snap.get("index") is not None:
+        known[parts.MODEL_INDEX] = parts.write_index(directory, *snap["index"])
     torch.save(snap["rng"], directory / "rng.pt")
     snap["config"].save_pretrained(directory)
     if tokenizer is not None:
@@ -176,6 +208,44 @@ class Checkpointer:
             self._write(step, snap)
             self._raise_pending()
 
+    def save_part(self, step: int, tmp, part: dict, rank: int, world: int, common: dict | None = None,
+                  background: bool | None = None, wait_s: float = 300.0) -> None:
+        """This rank's part of a checkpoint that `world` ranks write into `tmp`, the temporary
+        directory rank 0 made (parts.py). Rank 0 passes `common` (write_common's snapshot: ref,
+        rng, state, config, index), writes it too, waits up to wait_s for the other ranks' parts
+        and publishes; wait() on every rank then says whether its part (rank 0: the whole) is in."""
+        self.wait()
+        background = self.async_save if background is None else background
+        args = (step, Path(tmp), part, rank, world, common, wait_s)
+        if background:
+            self._thread = threading.Thread(target=self._write_part, args=args, daemon=True, name=f"ckpt-{step}")
+            self._thread.start()
+        else:
+            self._write_part(*args)
+            self._raise_pending()
+
+    def _write_part(self, step, tmp: Path, part, rank, world, common, wait_s) -> None:
+        t0 = time.monotonic()
+        try:
+            known = write_part(part, tmp, rank, world)
+            if rank:
+                parts.report(tmp, rank, known)
+            else:
+                known.update(write_common(common, tmp, self.tokenizer))
+                known.update(parts.collect(tmp, world, wait_s))
+                self.store.publish(tmp, step, known=known, prune_in_background=True)
+        except BaseException as e:  # surfaced on the main thread by wait()
+            if rank:
+                try:  # rank 0 stops waiting at once, and removes the directory
+                    parts.report(tmp, rank, error=e)
+                except OSError:
+                    pass
+            else:  # the others first finish (or fail) writing into it; a missing rank is not waited for twice
+                parts.wait_reports(tmp, world, 0.0 if isinstance(e, TimeoutError) else wait_s)
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._error = e
+        self.last_save_s = time.monotonic() - t0
+
     def _write(self, step: int, snap: dict) -> None:
         t0 = time.monotonic()
         tmp = None
@@ -236,18 +306,75 @@ class Checkpointer:
         return None, None, touched
 
 
+def restore_share(ckpt: "Checkpointer", rank: int, world: int, gather):
+    """A sharded resume (fsdp): the newest checkpoint whose share every rank read intact, as
+    (step, path, (model tensors, optimizer tensors, optimizer metadata)) - this rank's share of
+    parts.read_share - or (None, None, None). gather(obj) -> every rank's obj (a collective):
+    the ranks agree on each checkpoint, so a file one rank finds damaged sends all to the next."""
+    for step, path in ckpt.store.newest_first(skip=TENSOR_FILES):
+        share, error = None, None
+        try:
+            share = parts.read_share(path, _manifest_files(path), rank, world)
+        except (CorruptFile, OSError) as e:
+            error = str(e)
+        seen = gather((step, error))
+        if len({s for s, _ in seen}) > 1:
+            raise RuntimeError(f"the ranks see different newest checkpoints (steps {sorted({s for s, _ in seen})}): "
+                               "the run directory must be on a file system every node shares")
+        errors = [e for _, e in seen if e]
+        if not errors:
+            return step, path, share
+        ckpt._warn(f"checkpoint {path.name}: {errors[0]}; falling back to an older one")
+    gather((None, None))  # the ranks leave the search together
+    return None, None, None
+
+
 def load_into(path, model, optimizer, ref_model=None) -> dict:
     """Restore model, optimizer, reference and every RNG from `path`; return trainer_state.
 
     Parameters are filled in place from the file; the optimizer is only touched once its file
     has passed its check. Raises CorruptFile when a file fails the manifest's digest.
     """
+    path, files = Path(path), _manifest_files(path)
+    tensors = _reader(path, files)
+    model_files = parts.files_of(files, "model")
+    if len(model_files) == 1:
+        _load_module(model, tensors, model_files[0])
+    elif model_files:  # written in parts (fsdp): each file fills the parameters the index puts in it
+        _load_parts(model, tensors, model_files, path)
+    else:
+        raise CorruptFile("no model tensors in the manifest")
+    optim_files = parts.files_of(files, "optimizer")
+    if optim_files:
+        got, metas = {}, []
+        for name in optim_files:
+            part, meta = tensors(name)
+            got.update(part)
+            metas.append(meta)
+        optimizer.load_state_dict(_unflatten_optimizer(got, parts.merge_optimizer_meta(metas)))
+    else:  # written before optimizer.safetensors existed
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=_device_of(model), weights_only=True))
+    return load_common(path, ref_model)
+
+
+def load_common(path, ref_model=None) -> dict:
+    """The reference model (when it was saved), every RNG and the trainer state from `path`."""
     path = Path(path)
+    files = _manifest_files(path)
+    if ref_model is not None and "ref.safetensors" in files:
+        _load_module(ref_model, _reader(path, files), "ref.safetensors")
+    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+
+
+def _manifest_files(path) -> dict:
     manifest = ckptstore.read_manifest(path)
     if manifest is None:
         raise CorruptFile(f"missing or unreadable {ckptstore.MANIFEST_FILE}")
-    files = manifest["files"]
+    return manifest["files"]
 
+
+def _reader(path: Path, files: dict):
     def tensors(name: str, into=None):
         if name not in files:
             raise CorruptFile(f"{name} is not in the manifest")
@@ -255,16 +382,7 @@ def load_into(path, model, optimizer, ref_model=None) -> dict:
             return tensorfile.load(path / name, files[name], into)
         except CorruptFile as e:
             raise CorruptFile(f"file {name}: {e}") from None
-
-    _load_module(model, tensors, "model.safetensors")
-    if ref_model is not None and "ref.safetensors" in files:
-        _load_module(ref_model, tensors, "ref.safetensors")
-    if "optimizer.safetensors" in files:
-        optimizer.load_state_dict(_unflatten_optimizer(*tensors("optimizer.safetensors")))
-    else:  # written before optimizer.safetensors existed
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=_device_of(model), weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
-    return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    return tensors
 
 
 def _load_module(module, tensors, name: str) -> None:
@@ -273,6 +391,20 @@ def _load_module(module, tensors, name: str) -> None:
     extra, _ = tensors(name, into=targets)
     if extra:
         raise CorruptFile(f"file {name} has tensors the model does not: {sorted(extra)[:3]}")
+
+
+def _load_parts(module, tensors, names: list, path: Path) -> None:
+    try:
+        weight_map = json.loads((path / parts.MODEL_INDEX).read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptFile(f"{parts.MODEL_INDEX}: {e}") from None
+    targets = module.state_dict()
+    if set(weight_map) != set(targets) or not set(weight_map.values()) <= set(names):
+        raise CorruptFile(f"{parts.MODEL_INDEX} does not name the model's tensors in its files")
+    for name in names:
+        extra, _ = tensors(name, into={k: v for k, v in targets.items() if weight_map[k] == name})
+        if extra:
+            raise CorruptFile(f"file {name} has tensors its index does not put there: {sorted(extra)[:3]}")
 
 
 def _device_of(model):

@@ -12,8 +12,10 @@ and AdamW state between phases. What the loop relies on:
 - rollout, evaluation and no-grad log-prob passes run inside `gathered()`: every module is
   unsharded once and stays so for the phase, so ranks may run different numbers of forwards
   (generation needs no collective per token) and the stop check inside them still works;
-- checkpoints hold the full (unsharded) state in the ddp/1-rank format, gathered to rank 0, so
-  a run moves between world sizes and between ddp and fsdp at any checkpoint.
+- checkpoints are written in parts (parts.py): each rank gathers the whole tensors it owns
+  (about 1/world of the bytes) and writes them, and a resume has each rank read a share of the
+  files and scatter every tensor's shards from the rank that read it. The tensors are whole in
+  the files, so a run moves between world sizes and between ddp and fsdp at any checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from . import parts
 
 
 def _api():
@@ -89,36 +93,6 @@ def full_model_state(model, cpu_offload: bool = True) -> dict:
     return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=cpu_offload))
 
 
-def full_optimizer_state(model, optimizer) -> dict:
-    """The unsharded optimizer state on rank 0 ({} elsewhere; a collective), keyed by parameter
-    index as torch.optim.Optimizer.state_dict() is, so the file is the ddp/1-rank one."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
-    if not osd:
-        return {}
-    index = {fqn: i for i, fqn in enumerate(fqn for g in osd["param_groups"] for fqn in g["params"])}
-    groups, start = [], 0
-    for g in osd["param_groups"]:
-        groups.append({**g, "params": list(range(start, start + len(g["params"])))})
-        start += len(g["params"])
-    return {"state": {index[fqn]: s for fqn, s in osd["state"].items()}, "param_groups": groups}
-
-
-def load_full(model, optimizer, model_sd: dict, optim_sd: dict | None) -> None:
-    """Shard a full state (every rank holds it: each read the checkpoint) into model/optimizer."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    set_model_state_dict(model, model_sd, options=_options(full_state_dict=True))
-    if optim_sd is None:
-        return
-    fqns = [name for name, _ in model.named_parameters()]
-    state = {fqns[int(i)]: s for i, s in optim_sd["state"].items()}
-    groups = [{**g, "params": [fqns[int(i)] for i in g["params"]]} for g in optim_sd["param_groups"]]
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups},
-                             options=_options(full_state_dict=True))
-
-
 class FullModel:
     """What checkpoint.snapshot reads from a model: the gathered state_dict and the HF config."""
 
@@ -129,32 +103,98 @@ class FullModel:
         return self._state
 
 
-class FullOptimizer:
-    def __init__(self, state: dict):
-        self._state = state
+def owned_part(model, optimizer, rank: int, world: int) -> tuple[dict, tuple]:
+    """This rank's part of a checkpoint: the whole model tensors parts.assign gives it, copied to
+    CPU, and their optimizer state flattened as checkpoint.write_part wants it; with the index
+    (weight_map, total bytes). A collective: every rank gathers every tensor in the same order
+    and keeps its own, so no rank holds more than its share at once."""
+    from torch.distributed.tensor import DTensor
 
-    def state_dict(self):
-        return self._state
+    from .checkpoint import _flatten_optimizer
+
+    def whole(t):
+        return t.full_tensor().cpu() if isinstance(t, DTensor) else t.detach().to("cpu", copy=True)
+
+    sd = model.state_dict()
+    owner = parts.assign({n: t.numel() * t.element_size() for n, t in sd.items()}, world)
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    weight_map = {n: parts.part_name("model", owner[n], world) for n in sd}
+    mine = {}
+    for name, t in sd.items():
+        full = whole(t)
+        if owner[name] == rank:
+            mine[name] = full
+    osd = optimizer.state_dict()  # state keyed by parameter index, as a 1-rank run saves it
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for i, p in enumerate(params):
+        keep = owner[names[id(p)]] == rank
+        for key, value in sorted(osd["state"].get(i, {}).items()):
+            value = whole(value) if isinstance(value, torch.Tensor) else value
+            if keep:
+                state.setdefault(i, {})[key] = value
+    tensors, meta = _flatten_optimizer({"state": state, "param_groups": osd["param_groups"]})
+    return {"model": mine, "optimizer": tensors, "meta": meta}, (weight_map, total)
 
 
-class Loading:
-    """Targets checkpoint.load_into fills in place: CPU tensors of the full shapes. The real
-    model is only touched by commit(), after every file has passed its digest."""
+def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: list) -> None:
+    """Load a checkpoint every rank read a share of (parts.read_share): each tensor's shards go
+    from the rank that holds it to every rank (the placements of the live parameter), the rest
+    (AdamW's step) is broadcast. Raises ModelMismatch on every rank alike when the checkpoint
+    does not fit the model."""
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    def __init__(self, model):
-        self._model = model
-        self.config = model.config
-        self._sd = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()}
-        self.optim_sd = None
+    from .checkpoint import _from_json
+    from .tensorfile import ModelMismatch
 
-    def state_dict(self):
-        return self._sd
+    held = dist.gather({n: (list(t.shape), str(t.dtype)) for n, t in {**model_t, **optim_t}.items()})
+    metas = [m for ms in dist.gather(metas) for m in ms]
+    owner, spec = {}, {}
+    for rank, names in enumerate(held):
+        for n, s in names.items():
+            owner[n], spec[n] = rank, s
 
-    def parameters(self):
-        return iter(self._sd.values())
+    def spread(name, like_shape, like_dtype, like):
+        shape, dtype = spec[name]
+        if shape != list(like_shape) or dtype != str(like_dtype):
+            raise ModelMismatch(f"checkpoint tensor {name} is {dtype}{shape}, the model has "
+                                f"{like_dtype}{list(like_shape)}")
+        device = like.device if like is not None else _device(model)
+        mine = model_t.get(name, optim_t.get(name))
+        src = mine.to(device) if mine is not None else torch.empty(like_shape, dtype=like_dtype, device=device)
+        if isinstance(like, DTensor):
+            return distribute_tensor(src, like.device_mesh, like.placements, src_data_rank=owner[name])
+        tdist.broadcast(src, owner[name])
+        return src
 
-    def load_state_dict(self, sd):  # as an optimizer (load_into calls optimizer.load_state_dict)
-        self.optim_sd = sd
+    sd = model.state_dict()
+    lacking = sorted(set(sd) - set(owner))
+    if lacking:
+        raise ModelMismatch(f"the checkpoint lacks {len(lacking)} tensors of the model, e.g. {lacking[0]}")
+    new = {n: spread(n, t.shape, t.dtype, t) for n, t in sd.items()}
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    def commit(self, optimizer) -> None:
-        load_full(self._model, optimizer, self._sd, self.optim_sd)
+    set_model_state_dict(model, new, options=_options(full_state_dict=False))
+    if not metas:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for name in sorted(n for n in owner if n.startswith("state.")):  # the same order on every rank
+        _, index, key = name.split(".", 2)
+        p = params[int(index)]
+        shape, dtype = spec[name]
+        param_shaped = shape == list(p.shape)
+        state.setdefault(int(index), {})[key] = spread(
+            name, p.shape if param_shaped else torch.Size(shape),
+            p.dtype if param_shaped else getattr(torch, dtype.split(".")[-1]), p if param_shaped else None)
+    meta = parts.merge_optimizer_meta(metas)
+    for index, values in _from_json(meta["other_state"]).items():
+        state.setdefault(int(index), {}).update(values)
+    optimizer.load_state_dict({"state": state, "param_groups": _from_json(meta["param_groups"])})
+
+
+def _device(model):
+    p = next(model.parameters())
+    return p.to_local().device if hasattr(p, "to_local") else p.device

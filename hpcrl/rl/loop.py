@@ -146,7 +146,7 @@ class RLTrainer:
         if self.saved_step != self.step:
             self._save(background=False)
         else:
-            self._collective(self.ckpt.wait)
+            self._collective(self.ckpt.wait, every_rank=True)  # (each rank writes under fsdp)
         if self.cfg["eval_after"] and self._evaluate("eval_after") is None:
             return self._stop_exit()  # the next segment finds step == total and only evaluates
         self._close_checkpoints()
@@ -163,7 +163,7 @@ class RLTrainer:
         if save:
             self._save(background=False)
         else:
-            self._collective(self.ckpt.wait)
+            self._collective(self.ckpt.wait, every_rank=True)  # (each rank writes under fsdp)
         self._close_checkpoints()
         self._say(f"stopping at step {self.step} ({reason}); checkpoint at step "
                   f"{self.saved_step}{f' (save {self.ckpt.last_save_s:.2f} s)' if save else ''}; "
@@ -172,11 +172,12 @@ class RLTrainer:
         self.log.close()
         return self._exit(protocol.EXIT_CONTINUE)
 
-    def _collective(self, fn) -> None:
-        """Run fn on rank 0 (the checkpoint writer) and tell every rank whether it worked, so a
-        failed save stops them all at once instead of leaving them waiting for rank 0."""
+    def _collective(self, fn, every_rank: bool = False) -> None:
+        """Run fn on rank 0 (the checkpoint writer; every_rank: on each, as writers of parts) and
+        tell every rank whether it worked, so a failed save stops them all at once instead of
+        leaving them waiting for rank 0."""
         error = None
-        if self.dist.is_main:
+        if self.dist.is_main or every_rank:
             try:
                 fn()
             except Exception as e:  # reported below, on rank 0, after the others know
@@ -185,7 +186,8 @@ class RLTrainer:
         if error is not None:
             raise error
         if failed:
-            raise SaveFailed("rank 0 failed to write a checkpoint")
+            raise SaveFailed("another rank failed to write its part of a checkpoint" if every_rank
+                             else "rank 0 failed to write a checkpoint")
 
     def _close_checkpoints(self) -> None:
         """Let old checkpoints finish being deleted, within the time left before the kill."""
@@ -198,29 +200,46 @@ class RLTrainer:
         # replicated state (ddp): rank 0's copy is every rank's, so rank 0 writes it alone
         state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total}
         keep_ref = self.ref is not None and self.cfg["sft_steps"] > 0  # else ref = the base model on disk
-        model, optimizer = self.model, self.optimizer
-        if self.fsdp:  # sharded: every rank takes part in gathering the full state to rank 0 (CPU)
-            model = fsdp.FullModel(fsdp.full_model_state(self.model), self.model.config)
-            optimizer = fsdp.FullOptimizer(fsdp.full_optimizer_state(self.model, self.optimizer))
-        self._collective(lambda: self.ckpt.save_now(self.step, model, optimizer, state,
-                                                    self.ref if keep_ref else None, background))
+        if self.fsdp:
+            self._save_parts(state, self.ref if keep_ref else None, background)
+        else:
+            self._collective(lambda: self.ckpt.save_now(self.step, self.model, self.optimizer, state,
+                                                        self.ref if keep_ref else None, background))
         self.saved_step = self.step
+
+    def _save_parts(self, state: dict, ref, background) -> None:
+        """Sharded (fsdp): every rank writes the whole tensors it owns (parts.py); the gathering
+        is the snapshot, the writing may go on in the background."""
+        self._collective(self.ckpt.wait, every_rank=True)  # the last save is sealed; its buffers free
+        part, index = fsdp.owned_part(self.model, self.optimizer, self.dist.rank, self.dist.world)
+        made = {}
+        self._collective(lambda: made.update(tmp=str(self.ckpt.store.new_tmp_dir())))
+        tmp = self.dist.gather(made.get("tmp"))[0]  # rank 0's directory, for every rank to write into
+        common = None
+        if self.dist.is_main:  # the reference is copied: the end of the warm-up rewrites it in place
+            common = {"ref": None if ref is None else checkpoint.snapshot_tensors(ref.state_dict()),
+                      "rng": checkpoint.rng_state(), "state": state, "config": self.model.config, "index": index}
+        self._collective(lambda: self.ckpt.save_part(self.step, tmp, part, self.dist.rank, self.dist.world, common,
+                                                     background, wait_s=self.cfg["dist_timeout_s"]),
+                         every_rank=True)
 
     def _resume(self) -> bool:
         t0 = time.monotonic()
-        # fsdp: every rank reads the full checkpoint into CPU tensors, then keeps its shards
-        target = fsdp.Loading(self.model) if self.fsdp else None
-        _, path, state = self.ckpt.restore(target or self.model, target or self.optimizer, self.ref)
-        if target is not None and path is not None:
-            target.commit(self.optimizer)
+        if self.fsdp:  # each rank reads a share of the files and scatters the shards (parts.py)
+            _, path, share = checkpoint.restore_share(self.ckpt, self.dist.rank, self.dist.world, self.dist.gather)
+            state = False  # nothing is read into the model before every rank's share is intact
+            if path is not None:
+                fsdp.scatter_share(self.model, self.optimizer, self.dist, *share)
+                state = checkpoint.load_common(path, self.ref)
+        else:
+            _, path, state = self.ckpt.restore(self.model, self.optimizer, self.ref)
         load_s = time.monotonic() - t0
         self.dist.barrier()  # every rank has read it before rank 0 may write (and prune) again
         if path is None:
             if state:  # a damaged checkpoint was partly read into the weights: start clean
                 self._say("no intact checkpoint; starting from the base model")
                 base, _ = policy.load_policy(self.model_dir, self.device, self.cfg["dtype"])
-                if not self.fsdp:  # (under fsdp the damaged file only reached CPU targets)
-                    self.model.load_state_dict(base.state_dict())
+                self.model.load_state_dict(base.state_dict())
                 if self.ref is not None:
                     self.ref.load_state_dict(base.state_dict())
                 self._sync_rollout()

@@ -84,3 +84,20 @@ def start_torchrun(run_dir: Path, nproc: int = 2, segment: int = 1, deadline=Non
 def exit_file_code(run_dir: Path):
     path = run_dir / "exit"
     return int(path.read_text()) if path.exists() else None
+
+
+def checkpoint_model(path: Path) -> dict:
+    """A checkpoint's model tensors, from model.safetensors or (written in parts by fsdp ranks)
+    from the files Hugging Face's index names."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if (path / "model.safetensors").exists():
+        return load_file(path / "model.safetensors")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    out = {}
+    for name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(path / name))
+    assert set(out) == set(index["weight_map"])
+    return out
+

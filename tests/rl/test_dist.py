@@ -12,6 +12,7 @@ rounding and far below any real difference (a wrong normalisation or a different
 them by a large part of that change in one step).
 """
 
+import json
 import os
 import shutil
 import signal
@@ -19,13 +20,14 @@ import subprocess
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from hpcrl import protocol
 from hpcrl.ckptstore import CheckpointStore, checkpoint_name
 
-from helpers import read_metrics, wait_for_step, wait_until
-from rl_helpers import DIST_ARGS, exit_file_code, run_trainer, start_torchrun, write_config
+from helpers import flip_bit, read_metrics, wait_for_step, wait_until
+from rl_helpers import DIST_ARGS, checkpoint_model, exit_file_code, run_trainer, start_torchrun, write_config
 
 TOTAL = 8  # 2 warm-up + 6 RL steps (DIST_ARGS)
 EXACT = ("step", "phase", "reward_mean", "reward_std", "solve_rate", "response_len_mean", "lr")
@@ -40,7 +42,7 @@ def steps(run_dir):
 def params(run_dir, step=TOTAL):
     found = CheckpointStore(run_dir / "checkpoints").find_latest()
     assert found is not None and found[0] == step, found
-    return load_file(found[1] / "model.safetensors")
+    return checkpoint_model(found[1])
 
 
 def assert_close_params(a, b, base):
@@ -128,9 +130,60 @@ def test_fsdp_two_ranks_match_one(one_rank, two_ranks_fsdp, base_params):
     assert evals and evals[-1]["eval/n"] == DIST_ARGS["eval_size"]
 
 
+def test_fsdp_ranks_write_their_own_parts_and_from_pretrained_loads_them(two_ranks_fsdp):
+    """Each rank wrote the whole tensors it owns (not all through rank 0): two model files and two
+    optimizer files of about half the bytes each, Hugging Face's index, no rank report left; and
+    the checkpoint is a model directory from_pretrained loads."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = CheckpointStore(two_ranks_fsdp / "checkpoints").find_latest()[1]
+    names = sorted(p.name for p in path.iterdir())
+    assert "model.safetensors" not in names and not [n for n in names if n.startswith(".part-")], names
+    for kind in ("model", "optimizer"):
+        files = [path / f"{kind}-0000{i}-of-00002.safetensors" for i in (1, 2)]
+        sizes = [f.stat().st_size for f in files]
+        assert min(sizes) > 0.25 * sum(sizes), (kind, sizes)  # both ranks wrote a real share
+        for f in files:
+            with safe_open(f, "pt") as g:
+                assert list(g.keys()), f
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    on_disk = checkpoint_model(path)
+    assert on_disk.keys() <= loaded.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in on_disk.items())
+
+
+def test_fsdp_two_ranks_resume_on_two_ranks_past_a_damaged_part(one_rank, base_params, tmp_path):
+    """fsdp 2 -> fsdp 2: each rank reads a share of the files and scatters the shards. The newest
+    checkpoint's file that rank 1 reads is damaged: both ranks fall back to the one before
+    together, and the run still ends on the straight run's steps."""
+    run_dir = tmp_path / "fsdp-again"
+    write_config(run_dir, **FSDP_ARGS)
+    proc = start_torchrun(run_dir, step_delay_s=0.5)
+    wait_for_step(run_dir, 5, 120, proc)
+    (run_dir / "stop").touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and exit_file_code(run_dir) == protocol.EXIT_CONTINUE, err[-3000:]
+    store = CheckpointStore(run_dir / "checkpoints")
+    stopped = store.latest_step()
+    older = [s for s, _ in store.list()][-2]
+    assert 5 <= stopped < TOTAL and older < stopped
+    # the files are dealt round-robin: model-1, model-2, optimizer-1, optimizer-2 -> rank 1 reads model-2
+    flip_bit(run_dir / "checkpoints" / checkpoint_name(stopped) / "model-00002-of-00002.safetensors")
+    rc, out, err = run_torchrun(run_dir, segment=2)
+    assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
+    assert "model-00002-of-00002.safetensors: fails its" in err
+    assert f"at step {older} of {TOTAL}" in out
+    assert_same_steps(one_rank, run_dir)
+    assert_close_params(params(one_rank), params(run_dir), base_params)
+
+
 def test_fsdp_stopped_by_the_stop_file_resumes_on_one_rank(one_rank, base_params, tmp_path):
-    """fsdp 2 ranks -> 1 plain process: the checkpoint holds the full state (gathered to rank 0),
-    so the 1-rank segment loads it as any other and finishes the straight run."""
+    """fsdp 2 ranks -> 1 plain process: the checkpoint's parts hold whole tensors, so the 1-rank
+    segment loads them (each file into the parameters the index puts in it) and finishes the
+    straight run."""
     run_dir = tmp_path / "fsdp-cut"
     write_config(run_dir, **FSDP_ARGS)
     proc = start_torchrun(run_dir, step_delay_s=0.5)
@@ -151,8 +204,8 @@ def test_fsdp_stopped_by_the_stop_file_resumes_on_one_rank(one_rank, base_params
 
 
 def test_one_rank_stopped_then_resume_with_fsdp_on_two(one_rank, base_params, tmp_path):
-    """1 -> fsdp 2: the full checkpoint of a 1-rank segment (the same format as ddp's), read by
-    every rank and sharded into its FSDP model and optimizer."""
+    """1 -> fsdp 2: the single-file checkpoint of a 1-rank segment (the same format as ddp's): rank
+    0 reads the model file, rank 1 the optimizer's, and each scatters its tensors' shards."""
     run_dir = tmp_path / "fsdp-grow"
     write_config(run_dir, **FSDP_ARGS)  # parallel: fsdp on 1 rank is the plain path
     proc = start_torchrun(run_dir, nproc=1, step_delay_s=0.5)
@@ -236,12 +289,14 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_disk_full_during_a_save_keeps_the_last_checkpoint(one_rank, base_params, tmp_path, small_disk):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_disk_full_during_a_save_keeps_the_last_checkpoint(one_rank, base_params, tmp_path, small_disk, parallel):
     """ENOSPC in a save of a 2-rank run: the previous checkpoint stays valid, the partial one is
     gone, the segment fails with 'disk full at PATH' (stderr and RUN_DIR/trainer_error.txt), and a
-    rerun once space is freed resumes from the previous checkpoint and matches the straight run."""
+    rerun once space is freed resumes from the previous checkpoint and matches the straight run.
+    fsdp: both ranks write parts, whichever fails first; rank 0 names the disk either way."""
     run_dir = tmp_path / "full"
-    write_config(run_dir, **DIST_ARGS)
+    write_config(run_dir, **DIST_ARGS, parallel=parallel)
     ckpt = small_disk / "checkpoints"
     proc = start_torchrun(run_dir, step_delay_s=0.5, HPCRL_CKPT_DIR=ckpt)
     wait_until(lambda: CheckpointStore(ckpt).latest_step() == 2, 120, "checkpoint 2", proc=proc)
@@ -263,7 +318,7 @@ def test_disk_full_during_a_save_keeps_the_last_checkpoint(one_rank, base_params
     assert not (run_dir / "trainer_error.txt").exists()
     assert_same_steps(one_rank, run_dir)
     found = CheckpointStore(ckpt).find_latest()
-    assert_close_params(params(one_rank), load_file(found[1] / "model.safetensors"), base_params)
+    assert_close_params(params(one_rank), checkpoint_model(found[1]), base_params)
 
 
 def worker_pids(launcher_pid: int) -> dict:

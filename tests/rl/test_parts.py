@@ -1,0 +1,177 @@
+"""Checkpoints written in parts (hpcrl/rl/parts.py), in one process: two Checkpointers on one
+store play rank 0 and rank 1 (threads, as the background writers of two ranks run), so what
+the ranks agree on through the temporary directory is tested without torchrun; the torchrun
+runs that write and read such checkpoints for real are in test_dist.py. A plain (unsharded)
+model gives fsdp.owned_part the same whole tensors it gathers from shards."""
+
+import pytest
+import torch
+
+from hpcrl import ckptstore
+from hpcrl.rl import checkpoint, fsdp, parts, policy
+from hpcrl.rl.tiny import build_tiny_model
+
+from rl_helpers import checkpoint_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "model", hidden_size=32, layers=2, heads=2, max_int=60)
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir):
+    model, tok = policy.load_policy(model_dir, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    return model, tok, opt
+
+
+def save_in_parts(store_dir, model, opt, tok, step, world=2, broken_rank=None, silent_rank=None, blocked_rank=None,
+                  wait_s=30.0):
+    """Every rank's save_part into one temporary directory; each rank's error (or None)."""
+    savers = [checkpoint.Checkpointer(store_dir, keep_last=3, async_save=True, tokenizer=tok) for _ in range(world)]
+    tmp = savers[0].store.new_tmp_dir()
+    if blocked_rank is not None:  # a directory where its model file goes: its open() fails (an OSError)
+        (tmp / parts.part_name("model", blocked_rank, world)).mkdir()
+    errors = [None] * world
+    for rank in range(world):
+        if rank == silent_rank:
+            continue
+        part, index = fsdp.owned_part(model, opt, rank, world)
+        if rank == broken_rank:  # a tensor safetensors cannot hold: this rank's write fails
+            part["model"]["bad"] = torch.zeros(2, dtype=torch.complex64)
+        common = None
+        if rank == 0:
+            common = {"ref": None, "rng": checkpoint.rng_state(), "state": {"step": step}, "config": model.config,
+                      "index": index}
+        savers[rank].save_part(step, tmp, part, rank, world, common, wait_s=wait_s)
+    for rank in range(world):
+        try:
+            savers[rank].wait()
+        except Exception as e:
+            errors[rank] = e
+    return tmp, errors
+
+
+def test_two_ranks_parts_make_one_checkpoint_every_world_size_reads(trained, model_dir, tmp_path):
+    model, tok, opt = trained
+    tmp, errors = save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4)
+    assert errors == [None, None]
+    step, path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()
+    assert step == 4 and not tmp.exists()
+    names = sorted(p.name for p in path.iterdir())
+    assert [n for n in names if parts.is_part(n)] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"]
+    assert parts.MODEL_INDEX in names and not [n for n in names if n.startswith(".part")]
+    manifest = ckptstore.read_manifest(path)["files"]
+    for name in names:  # every rank's digest reached the manifest, and it is the file's
+        if name != ckptstore.MANIFEST_FILE:
+            assert manifest[name][ckptstore.digest_algorithm()] == ckptstore.file_digest(path / name), name
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert checkpoint_model(path).keys() == want.keys()
+    # a 1-rank process loads it: each part file into the parameters its index names
+    fresh, _ = policy.load_policy(model_dir, torch.device("cpu"))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    assert checkpoint.load_into(path, fresh, fresh_opt)["step"] == 4
+    assert all(torch.equal(want[k], v) for k, v in fresh.state_dict().items())
+    got, ref = fresh_opt.state_dict(), opt.state_dict()
+    assert got["param_groups"] == ref["param_groups"] and got["state"].keys() == ref["state"].keys()
+    for i, per in ref["state"].items():
+        for key, value in per.items():
+            assert torch.equal(got["state"][i][key], value), (i, key)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    assert all(torch.equal(loaded[k], want[k]) for k in want if k in loaded)
+
+
+def test_the_shares_are_balanced_and_dealt_round_robin(trained, tmp_path):
+    model, tok, opt = trained
+    save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2)
+    path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
+    files = ckptstore.read_manifest(path)["files"]
+    sizes = [files[parts.part_name("model", r, 2)]["size"] for r in (0, 1)]
+    biggest = max(v.numel() * v.element_size() for v in model.state_dict().values())
+    assert abs(sizes[0] - sizes[1]) <= biggest + 4096  # greedy: within one tensor (and the headers)
+    shares = [parts.read_share(path, files, r, 2) for r in (0, 1)]
+    # rank 0: model-1 and optimizer-1; rank 1: model-2 and optimizer-2; together all, no overlap
+    assert not shares[0][0].keys() & shares[1][0].keys()
+    assert shares[0][0].keys() | shares[1][0].keys() == model.state_dict().keys()
+    assert len(shares[0][2]) == len(shares[1][2]) == 1
+
+
+def test_a_rank_that_fails_its_part_fails_the_save_and_leaves_no_checkpoint(trained, tmp_path):
+    model, tok, opt = trained
+    save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2)
+    tmp, errors = save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4, broken_rank=1)
+    assert "rank 1 failed to write its part" in str(errors[0]) and errors[1] is not None
+    store = ckptstore.CheckpointStore(tmp_path / "ckpt")
+    assert store.find_latest()[0] == 2 and store.latest_step() == 2  # the previous one stays the newest
+    assert not tmp.exists()  # rank 0 removed the half-written directory
+
+
+def test_a_rank_whose_write_fails_with_an_os_error_passes_it_on_as_one(trained, tmp_path):
+    """(A full disk is an OSError: rank 0 must see one to say 'disk full at PATH'.)"""
+    import errno
+
+    model, tok, opt = trained
+    tmp, errors = save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4, blocked_rank=1)
+    assert isinstance(errors[0], OSError) and errors[0].errno == errno.EISDIR, errors
+    assert errors[0].filename == str(tmp / "model-00002-of-00002.safetensors")
+    assert isinstance(errors[1], IsADirectoryError)
+    assert ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest() is None and not tmp.exists()
+
+
+def test_a_rank_that_never_reports_times_the_save_out(trained, tmp_path):
+    model, tok, opt = trained
+    tmp, errors = save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4, silent_rank=1, wait_s=0.5)
+    assert isinstance(errors[0], TimeoutError) and "ranks [1] did not write" in str(errors[0])
+    assert ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest() is None and not tmp.exists()
+
+
+def test_a_damaged_part_is_refused_by_the_rank_that_reads_it(trained, tmp_path):
+    from helpers import flip_bit
+
+    model, tok, opt = trained
+    save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2)
+    path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
+    flip_bit(path / "optimizer-00002-of-00002.safetensors")
+    files = ckptstore.read_manifest(path)["files"]
+    parts.read_share(path, files, 0, 2)  # rank 0 does not read that file
+    with pytest.raises(checkpoint.CorruptFile, match="optimizer-00002-of-00002.safetensors: fails its"):
+        parts.read_share(path, files, 1, 2)
+
+
+def test_assign_is_deterministic_and_whole_tensors():
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 10}
+    owner = parts.assign(sizes, 2)
+    assert owner == parts.assign(dict(reversed(list(sizes.items()))), 2)
+    assert owner == {"a": 0, "b": 1, "c": 1, "d": 0}
+    assert set(parts.assign(sizes, 8).values()) == {0, 1, 2, 3}  # more ranks than tensors: some write none
+
+
+def test_export_of_a_checkpoint_in_parts_is_a_sharded_model_directory(home, trained, model_dir, tmp_path):
+    """`hpcrl export` of an fsdp run: the model's parts and index come out (checked against the
+    manifest), the optimizer's parts do not, and from_pretrained loads the directory."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl import launch
+    from hpcrl.spec import resolve
+
+    from helpers import hpcrl
+
+    model, tok, opt = trained
+    run = launch.create_run(resolve(None, "local", [f"args.model={model_dir}"], {"trainer": "builtin"}), "fs")
+    _, errors = save_in_parts(run.layout.checkpoints, model, opt, tok, step=6)
+    assert errors == [None, None]
+    out = tmp_path / "hf"
+    hpcrl("export", "fs", "--out", out)
+    names = sorted(p.name for p in out.iterdir())
+    assert "model-00001-of-00002.safetensors" in names and parts.MODEL_INDEX in names
+    assert not [n for n in names if n.startswith("optimizer")] and "rng.pt" not in names
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    want = model.state_dict()
+    assert all(torch.equal(loaded[k], want[k]) for k in want if k in loaded)
