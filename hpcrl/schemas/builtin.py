@@ -191,7 +191,7 @@ SCHEMA = Schema("builtin", [
     Choice("parallel", "auto", ("auto", "ddp", "fsdp"),
            "with several ranks: ddp (a full copy of model and AdamW state per rank, gradients all-reduced); "
            "fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and AdamW state sharded; rollout and "
-           "eval on weights gathered for the phase; checkpoints hold the full state); auto: ddp"),
+           "eval on weights gathered for the phase; each rank writes and reads its part of every checkpoint, whole tensors any world size loads); auto: ddp"),
     Float("dist_timeout_s", 300.0, "longest any collective may wait for a peer before the rank fails (bounds a hang "
           "on a stuck peer; a dead peer's closed connection fails at once)", gt=0),
     Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",
