@@ -322,13 +322,14 @@ def fake_verl(tmp_path, body):
     return exe
 
 
-def run_launcher(tmp_path, exe, deadline_in_s):
+def run_launcher(tmp_path, exe, deadline_in_s, metrics_wait_s=30):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     env = {**os.environ, **protocol_env(tmp_path, deadline=time.time() + deadline_in_s),
            "HPCRL_METRICS": str(tmp_path / "m.jsonl")}
     code = ("import sys; sys.path.insert(0, %r); import verl_launch as v; v.POLL_S = 0.2; v.STOP_GRACE_S = 5; "
-            "sys.exit(v.main(sys.argv[1:]))") % str(Path(verl_launch.__file__).parent)
+            "v.METRICS_WAIT_S = %r; sys.exit(v.main(sys.argv[1:]))") % (str(Path(verl_launch.__file__).parent),
+                                                                      metrics_wait_s)
     argv = [sys.executable, "-c", code, "--python", str(exe), "--ckpt-dir", str(ckpt), "--save-freq", "1",
             "--save-time-s", "1", "--", "data.train_files=/x"]
     return subprocess.run(argv, env=env, timeout=60, capture_output=True, text=True)
@@ -350,6 +351,35 @@ sleep 50
     assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
     assert "stopping verl for continuation" in result.stderr
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["reward"] == 0.5
+
+
+def test_launcher_waits_for_the_saved_steps_metrics_before_it_stops_verl(tmp_path):
+    # verl saves a step, then logs its metrics (ray_trainer.fit): a stop sent when the tracker moves
+    # lost that step's record at the segment boundary (the Slurm verl tier saw 53 saved, 52 logged)
+    body = f"""M="$VERL_FILE_LOGGER_PATH"; C={shlex.quote(str(tmp_path / 'ckpt'))}
+echo '{{"step": 1, "data": {{"timing_s/step": 30.0, "critic/score/mean": 0.25}}}}' >> "$M"
+mkdir -p "$C/global_step_2"; echo 2 > "$C/latest_checkpointed_iteration.txt"
+sleep 1.5
+echo '{{"step": 2, "data": {{"timing_s/step": 30.0, "critic/score/mean": 0.5}}}}' >> "$M"
+sleep 50
+"""
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 60)
+    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    assert "verl saved step 2; the next save would not fit" in result.stderr
+    assert [json.loads(x)["step"] for x in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_launcher_stops_verl_anyway_when_the_saved_steps_metrics_never_come(tmp_path):
+    body = f"""C={shlex.quote(str(tmp_path / 'ckpt'))}
+echo '{{"step": 1, "data": {{"timing_s/step": 30.0}}}}' >> "$VERL_FILE_LOGGER_PATH"
+mkdir -p "$C/global_step_2"; echo 2 > "$C/latest_checkpointed_iteration.txt"
+sleep 50
+"""
+    t0 = time.monotonic()
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 60, metrics_wait_s=1)
+    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    assert "(its metrics for step 2 did not come)" in result.stderr
+    assert time.monotonic() - t0 < 30
 
 
 # ------------------------------------------------------------------ the Countdown reward, called as verl calls it

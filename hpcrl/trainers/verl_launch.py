@@ -48,6 +48,9 @@ METRICS_DIR = "verl-metrics"
 # a whole checkpoint write per step: poll often (a stat and a small read).
 POLL_S = 1.0
 STOP_GRACE_S = 60.0
+# verl logs a step's metrics after its save (ray_trainer.fit: _save_checkpoint, then logger.log):
+# a stop sent the moment the tracker moves can lose the saved step's record. Wait this long for it.
+METRICS_WAIT_S = 30.0
 # verl metric -> hpcrl metrics.jsonl key (what `status` shows)
 METRIC_KEYS = {
     "critic/score/mean": "reward",
@@ -266,6 +269,8 @@ class Supervisor:
         self.last_ckpt = read_tracker(Path(opts.ckpt_dir))
         self.proc = None
         self.stopped_for_continue = False
+        self.stop_after = None  # (saved step, when decided): stop once its metrics are logged
+        self.last_logged = None  # the highest step verl logged a training record for
 
     def forward(self, signum, frame):
         if signum == signal.SIGTERM and self.proc is not None:
@@ -288,6 +293,9 @@ class Supervisor:
     def poll_once(self) -> None:
         records, self.offset = read_verl_metrics(self.metrics_file, self.offset)
         self.times += step_times(records)
+        for rec in records:
+            if isinstance(rec.get("step"), int) and "timing_s/step" in rec["data"]:
+                self.last_logged = max(rec["step"], self.last_logged or 0)
         sink = self.env.get(ENV_METRICS)
         if sink and records:
             with open(sink, "a", encoding="utf-8") as f:
@@ -297,9 +305,18 @@ class Supervisor:
         deadline = deadline_of(self.env)
         if step is not None and step != self.last_ckpt:
             self.last_ckpt = step
-            if not self.stopped_for_continue and deadline is not None and should_stop(self.opts, deadline - time.time(), self.times):
-                print(f"hpcrl: verl saved step {step}; the next save would not fit before the "
-                      f"deadline: stopping verl for continuation", file=sys.stderr, flush=True)
+            if (self.stop_after is None and deadline is not None
+                    and should_stop(self.opts, deadline - time.time(), self.times)):
+                self.stop_after = (step, time.monotonic())
+        if self.stop_after is not None and not self.stopped_for_continue:
+            saved, since = self.stop_after
+            logged = self.last_logged is not None and self.last_logged >= saved
+            late = time.monotonic() - since > METRICS_WAIT_S or (
+                deadline is not None and deadline - time.time() < STOP_GRACE_S)
+            if logged or late:
+                print(f"hpcrl: verl saved step {saved}; the next save would not fit before the "
+                      f"deadline: stopping verl for continuation"
+                      f"{'' if logged else f' (its metrics for step {saved} did not come)'}", file=sys.stderr, flush=True)
                 self.stopped_for_continue = True
                 self.stop()
 

@@ -105,6 +105,36 @@ def test_two_ranks_match_one(one_rank, two_ranks, base_params):
     assert train == list(range(1, TOTAL + 1))
 
 
+def stopped_segment(run_dir, args: dict, at_step: int = 3, nproc: int = 2) -> int:
+    """A torchrun segment stopped by the stop file (USR1 as the segment script delivers it)
+    once step `at_step` is logged: every rank stops at one step, saves it, exit file 85."""
+    write_config(run_dir, **args)
+    proc = start_torchrun(run_dir, nproc=nproc, step_delay_s=0.5)
+    wait_for_step(run_dir, at_step, 120, proc)
+    (run_dir / "stop").touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and exit_file_code(run_dir) == protocol.EXIT_CONTINUE, err[-3000:]
+    stopped = max(steps(run_dir))
+    assert at_step <= stopped < TOTAL
+    assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped
+    assert f"stopping at step {stopped} (SIGUSR1)" in out
+    return stopped
+
+
+def finish_like_the_straight_run(run_dir, one_rank, base_params, resumed_at: int, nproc: int = 2) -> tuple:
+    """Segment 2 on `nproc` ranks (1: a plain process) resumes at `resumed_at`, completes, and the
+    run matches the 1-rank straight run; (stdout, stderr)."""
+    rc, out, err = run_torchrun(run_dir, segment=2) if nproc > 1 else run_trainer(run_dir, segment=2)
+    if nproc > 1:  # torchrun exits 0; rank 0 reports the code in the exit file
+        assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
+    else:
+        assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert "resumed from" in out and f"at step {resumed_at} of {TOTAL}" in out
+    assert_same_steps(one_rank, run_dir)
+    assert_close_params(params(one_rank), params(run_dir), base_params)
+    return out, err
+
+
 FSDP_ARGS = {**DIST_ARGS, "parallel": "fsdp"}
 
 
@@ -160,24 +190,12 @@ def test_fsdp_two_ranks_resume_on_two_ranks_past_a_damaged_part(one_rank, base_p
     checkpoint's file that rank 1 reads is damaged: both ranks fall back to the one before
     together, and the run still ends on the straight run's steps."""
     run_dir = tmp_path / "fsdp-again"
-    write_config(run_dir, **FSDP_ARGS)
-    proc = start_torchrun(run_dir, step_delay_s=0.5)
-    wait_for_step(run_dir, 5, 120, proc)
-    (run_dir / "stop").touch()
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and exit_file_code(run_dir) == protocol.EXIT_CONTINUE, err[-3000:]
-    store = CheckpointStore(run_dir / "checkpoints")
-    stopped = store.latest_step()
-    older = [s for s, _ in store.list()][-2]
-    assert 5 <= stopped < TOTAL and older < stopped
+    stopped = stopped_segment(run_dir, FSDP_ARGS, at_step=5)
+    older = [s for s, _ in CheckpointStore(run_dir / "checkpoints").list()][-2]
     # the files are dealt round-robin: model-1, model-2, optimizer-1, optimizer-2 -> rank 1 reads model-2
     flip_bit(run_dir / "checkpoints" / checkpoint_name(stopped) / "model-00002-of-00002.safetensors")
-    rc, out, err = run_torchrun(run_dir, segment=2)
-    assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
+    out, err = finish_like_the_straight_run(run_dir, one_rank, base_params, older)
     assert "model-00002-of-00002.safetensors: fails its" in err
-    assert f"at step {older} of {TOTAL}" in out
-    assert_same_steps(one_rank, run_dir)
-    assert_close_params(params(one_rank), params(run_dir), base_params)
 
 
 def test_fsdp_stopped_by_the_stop_file_resumes_on_one_rank(one_rank, base_params, tmp_path):
@@ -185,81 +203,31 @@ def test_fsdp_stopped_by_the_stop_file_resumes_on_one_rank(one_rank, base_params
     segment loads them (each file into the parameters the index puts in it) and finishes the
     straight run."""
     run_dir = tmp_path / "fsdp-cut"
-    write_config(run_dir, **FSDP_ARGS)
-    proc = start_torchrun(run_dir, step_delay_s=0.5)
-    wait_for_step(run_dir, 3, 120, proc)
-    (run_dir / "stop").touch()
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    assert exit_file_code(run_dir) == protocol.EXIT_CONTINUE
-    stopped = max(steps(run_dir))
-    assert 3 <= stopped < TOTAL
-    assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped
-    assert f"stopping at step {stopped} (SIGUSR1)" in out
-    rc, out, err = run_trainer(run_dir, segment=2)
-    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
-    assert f"at step {stopped} of {TOTAL}" in out
-    assert_same_steps(one_rank, run_dir)
-    assert_close_params(params(one_rank), params(run_dir), base_params)
+    stopped = stopped_segment(run_dir, FSDP_ARGS)
+    finish_like_the_straight_run(run_dir, one_rank, base_params, stopped, nproc=1)
 
 
 def test_one_rank_stopped_then_resume_with_fsdp_on_two(one_rank, base_params, tmp_path):
     """1 -> fsdp 2: the single-file checkpoint of a 1-rank segment (the same format as ddp's): rank
     0 reads the model file, rank 1 the optimizer's, and each scatters its tensors' shards."""
     run_dir = tmp_path / "fsdp-grow"
-    write_config(run_dir, **FSDP_ARGS)  # parallel: fsdp on 1 rank is the plain path
-    proc = start_torchrun(run_dir, nproc=1, step_delay_s=0.5)
-    wait_for_step(run_dir, 3, 120, proc)
-    (run_dir / "stop").touch()
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and exit_file_code(run_dir) == protocol.EXIT_CONTINUE, err[-3000:]
-    stopped = CheckpointStore(run_dir / "checkpoints").latest_step()
-    assert 3 <= stopped < TOTAL
-    rc, out, err = run_torchrun(run_dir, segment=2)
-    assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
-    assert f"at step {stopped} of {TOTAL}" in out
-    assert_same_steps(one_rank, run_dir)
-    assert_close_params(params(one_rank), params(run_dir), base_params)
+    stopped = stopped_segment(run_dir, FSDP_ARGS, nproc=1)  # parallel: fsdp on 1 rank is the plain path
+    finish_like_the_straight_run(run_dir, one_rank, base_params, stopped)
 
 
 def test_stop_file_stops_both_ranks_then_resume_on_one(one_rank, base_params, tmp_path):
     """USR1 as the segment script delivers it under torchrun (the stop file): every rank stops at
     the same step, one save, exit file 85, torchrun 0; the run then finishes on 1 rank (2 -> 1)."""
     run_dir = tmp_path / "cut"
-    write_config(run_dir, **DIST_ARGS)
-    proc = start_torchrun(run_dir, step_delay_s=0.5)
-    wait_for_step(run_dir, 3, 120, proc)
-    (run_dir / "stop").touch()
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    assert exit_file_code(run_dir) == protocol.EXIT_CONTINUE
-    stopped = max(steps(run_dir))
-    assert 3 <= stopped < TOTAL
-    assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped
-    assert f"stopping at step {stopped} (SIGUSR1)" in out
-    rc, out, err = run_trainer(run_dir, segment=2)
-    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
-    assert "resumed from" in out and f"at step {stopped} of {TOTAL}" in out
-    assert_same_steps(one_rank, run_dir)
-    assert_close_params(params(one_rank), params(run_dir), base_params)
+    stopped = stopped_segment(run_dir, DIST_ARGS)
+    finish_like_the_straight_run(run_dir, one_rank, base_params, stopped, nproc=1)
 
 
 def test_one_rank_stopped_then_resume_on_two(one_rank, base_params, tmp_path):
     """1 -> 2: a 1-rank torchrun segment stopped by the stop file, the rest on 2 ranks."""
     run_dir = tmp_path / "grow"
-    write_config(run_dir, **DIST_ARGS)
-    proc = start_torchrun(run_dir, nproc=1, step_delay_s=0.5)
-    wait_for_step(run_dir, 3, 120, proc)
-    (run_dir / "stop").touch()
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and exit_file_code(run_dir) == protocol.EXIT_CONTINUE, err[-3000:]
-    stopped = CheckpointStore(run_dir / "checkpoints").latest_step()
-    assert 3 <= stopped < TOTAL
-    rc, out, err = run_torchrun(run_dir, segment=2)
-    assert rc == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
-    assert f"at step {stopped} of {TOTAL}" in out
-    assert_same_steps(one_rank, run_dir)
-    assert_close_params(params(one_rank), params(run_dir), base_params)
+    stopped = stopped_segment(run_dir, DIST_ARGS, nproc=1)
+    finish_like_the_straight_run(run_dir, one_rank, base_params, stopped)
 
 
 def test_deadline_stops_both_ranks(tmp_path):
