@@ -246,21 +246,24 @@ def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypa
         spawned.append(sandbox.BOOT in argv)
         return popen(argv, *a, **kw)
     monkeypatch.setattr(sandbox.subprocess, "Popen", spy)
-    code = "import time\ntime.sleep(1.5)\ndef f(): return 1"
+    # 8 s: the kill must land while the sample runs, and under CI's load this thread once stalled
+    # past a 1.5 s sample (it finished, nothing to fall back from); the rerun shares the deadline
+    code = "import time\ntime.sleep(8)\ndef f(): return 1"
+    slow = sandbox.Limits(timeout_s=40.0, cpu_s=2)
     results = []
     children = Path(f"/proc/{pid}/task/{pid}/children")
     # the warm-up sample's child can linger a moment after its result (the server reaps it
     # later); a kill then would land before this sample was sent, and the call would just
     # restart the server (seen under load in CI)
     wait_until(lambda: not children.read_text().split(), 5, "the warm-up sample reaped")
-    t = threading.Thread(target=lambda: results.append(_score(code)))
+    t = threading.Thread(target=lambda: results.append(_score(code, limits=slow)))
     t.start()
     wait_until(lambda: children.read_text().split(), 5, "the server forked the sample")
     sample = [int(c) for c in children.read_text().split()]
     os.kill(pid, signal.SIGKILL)
     # the forked sample dies with the server (PDEATHSIG, down to its pid 1 and namespace)...
     wait_until(lambda: not any(map(_alive, sample)), 5, "the forked sample gone with the server")
-    t.join(10)
+    t.join(60)
     # ...and the call reran it through the spawn path instead of scoring a crash
     assert results and results[0].score == 1.0, results
     assert spawned == [True]
