@@ -65,17 +65,20 @@ rm -f "$rc_file"
 export HPCRL_STOP_FILE="$HPCRL_RUN_DIR/.trainer-stop-$HPCRL_JOB_ID"
 export HPCRL_EXIT_FILE="$HPCRL_RUN_DIR/.trainer-exit-$HPCRL_JOB_ID"
 rm -f "$HPCRL_STOP_FILE" "$HPCRL_EXIT_FILE"
+# The traps are set before the trainer starts: a USR1 that reached the shell before them would
+# kill it (the default action), however early the trainer sends or Slurm delivers it.
+runner=""
+forward() {
+  [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
+}
+trap 'echo "hpcrl: USR1: checkpoint and stop (stop file for the ranks)"; touch "$HPCRL_RUN_DIR/.checkpointing" "$HPCRL_STOP_FILE"' USR1
+trap 'echo "hpcrl: TERM: stop now"; hpcrl_term=1; forward TERM' TERM
 (
   trap : USR1 TERM INT
   "$trainer_py" -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --standalone -m hpcrl.rl.train --config /home/user/.local/share/hpcrl/runs/two/trainer.json
   echo "$?" > "$rc_file"
 ) &
 runner=$!
-forward() {
-  pkill "-$1" -P "$runner" 2>/dev/null
-}
-trap 'echo "hpcrl: USR1: checkpoint and stop (stop file for the ranks)"; touch "$HPCRL_RUN_DIR/.checkpointing" "$HPCRL_STOP_FILE"' USR1
-trap 'echo "hpcrl: TERM: stop now"; hpcrl_term=1; forward TERM' TERM
 # `wait` returns early when a trap fires: wait again until the runner has really exited.
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"

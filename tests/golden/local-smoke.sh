@@ -52,17 +52,20 @@ cd "$HPCRL_RUN_DIR"
 # (its no-op traps are reset to defaults in the trainer by exec).
 rc_file="$HPCRL_RUN_DIR/.trainer-rc-$HPCRL_JOB_ID"
 rm -f "$rc_file"
+# The traps are set before the trainer starts: a USR1 that reached the shell before them would
+# kill it (the default action), however early the trainer sends or Slurm delivers it.
+runner=""
+forward() {
+  [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
+}
+trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
+trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
 (
   trap : USR1 TERM INT
   "$trainer_py" -m hpcrl.trainers.smoke --config /home/user/.local/share/hpcrl/runs/smoke-local/smoke.json
   echo "$?" > "$rc_file"
 ) &
 runner=$!
-forward() {
-  pkill "-$1" -P "$runner" 2>/dev/null
-}
-trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
-trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
 # `wait` returns early when a trap fires: wait again until the runner has really exited.
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"

@@ -102,17 +102,20 @@ rm -f "$HPCRL_STOP_FILE" "$HPCRL_EXIT_FILE"
 hpcrl_rdzv_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 hpcrl_rdzv_port=$(( 15000 + ${HPCRL_JOB_ID%%_*} % 15000 ))
 echo "hpcrl: torchrun rendezvous at $hpcrl_rdzv_host:$hpcrl_rdzv_port"
+# The traps are set before the trainer starts: a USR1 that reached the shell before them would
+# kill it (the default action), however early the trainer sends or Slurm delivers it.
+runner=""
+forward() {
+  [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
+}
+trap 'echo "hpcrl: USR1: checkpoint and stop (stop file for the ranks)"; touch "$HPCRL_RUN_DIR/.checkpointing" "$HPCRL_STOP_FILE"' USR1
+trap 'echo "hpcrl: TERM: stop now"; hpcrl_term=1; forward TERM' TERM
 (
   trap : USR1 TERM INT
   srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=128 "$trainer_py" -m torch.distributed.run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "$hpcrl_rdzv_host:$hpcrl_rdzv_port" --rdzv-id "$HPCRL_JOB_ID" -m hpcrl.rl.train --config /pscratch/sd/u/user/hpcrl/runs/pm2/trainer.json
   echo "$?" > "$rc_file"
 ) &
 runner=$!
-forward() {
-  pkill "-$1" -P "$runner" 2>/dev/null
-}
-trap 'echo "hpcrl: USR1: checkpoint and stop (stop file for the ranks)"; touch "$HPCRL_RUN_DIR/.checkpointing" "$HPCRL_STOP_FILE"' USR1
-trap 'echo "hpcrl: TERM: stop now"; hpcrl_term=1; forward TERM' TERM
 # `wait` returns early when a trap fires: wait again until the runner has really exited.
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"

@@ -75,19 +75,22 @@ cd "$HPCRL_RUN_DIR"
 # (its no-op traps are reset to defaults in the trainer by exec).
 rc_file="$HPCRL_RUN_DIR/.trainer-rc-$HPCRL_JOB_ID"
 rm -f "$rc_file"
+# The traps are set before the trainer starts: a USR1 that reached the shell before them would
+# kill it (the default action), however early the trainer sends or Slurm delivers it.
+runner=""
+forward() {
+  [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
+}
+# This trainer has no checkpoint-on-signal (USR1 would simply kill it): it keeps training
+# until the limit, and the next segment resumes from its last periodic checkpoint.
+trap 'echo "hpcrl: USR1: walltime near; the trainer saves only periodically, so it runs on"' USR1
+trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
 (
   trap : USR1 TERM INT
   "$trainer_py" -m maxtext.trainers.post_train.rl.train_rl model_name=llama3.1-8b-Instruct load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items run_name=maxtext-llama3.1-8b-grpo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=grpo enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 num_batches=3738
   echo "$?" > "$rc_file"
 ) &
 runner=$!
-forward() {
-  pkill "-$1" -P "$runner" 2>/dev/null
-}
-# This trainer has no checkpoint-on-signal (USR1 would simply kill it): it keeps training
-# until the limit, and the next segment resumes from its last periodic checkpoint.
-trap 'echo "hpcrl: USR1: walltime near; the trainer saves only periodically, so it runs on"' USR1
-trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
 # `wait` returns early when a trap fires: wait again until the runner has really exited.
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"
