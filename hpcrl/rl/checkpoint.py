@@ -306,6 +306,11 @@ class Checkpointer:
         return None, None, touched
 
 
+class RanksDisagree(RuntimeError):
+    """The ranks of a sharded resume found different newest checkpoints: the run directory is not
+    one file system for all of them. Every rank raises it at the same point (from one gather)."""
+
+
 def restore_share(ckpt: "Checkpointer", rank: int, world: int, gather):
     """A sharded resume (fsdp): the newest checkpoint whose share every rank read intact, as
     (step, path, (model tensors, optimizer tensors, optimizer metadata)) - this rank's share of
@@ -319,7 +324,7 @@ def restore_share(ckpt: "Checkpointer", rank: int, world: int, gather):
             error = str(e)
         seen = gather((step, error))
         if len({s for s, _ in seen}) > 1:
-            raise RuntimeError(f"the ranks see different newest checkpoints (steps {sorted({s for s, _ in seen})}): "
+            raise RanksDisagree(f"the ranks see different newest checkpoints (steps {sorted({s for s, _ in seen})}): "
                                "the run directory must be on a file system every node shares")
         errors = [e for _, e in seen if e]
         if not errors:

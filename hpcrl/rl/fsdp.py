@@ -85,12 +85,12 @@ def _options(**kw):
     return StateDictOptions(**kw)
 
 
-def full_model_state(model, cpu_offload: bool = True) -> dict:
-    """The unsharded state_dict (a collective). cpu_offload: on rank 0 only, in CPU memory (the
-    other ranks get {}); else on every rank, on the model's device."""
+def full_model_state(model) -> dict:
+    """The unsharded state_dict on every rank, on the model's device (a collective): the KL
+    reference and a vLLM engine of each rank need the whole weights."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=cpu_offload))
+    return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=False))
 
 
 class FullModel:

@@ -274,7 +274,7 @@ class RLTrainer:
     def _end_of_warmup(self) -> None:
         """The warmed-up model becomes the KL reference; its score shows what RL starts from."""
         if self.ref is not None:
-            self.ref.load_state_dict(fsdp.full_model_state(self.model, cpu_offload=False) if self.fsdp
+            self.ref.load_state_dict(fsdp.full_model_state(self.model) if self.fsdp
                                      else self.model.state_dict())
         if self.cfg["eval_before"]:
             self._evaluate("eval_sft")
@@ -433,7 +433,7 @@ class RLTrainer:
         every rank gathers the full state_dict for its engine (a collective: all ranks call this
         at the same points), held only for the copy."""
         if self.fsdp and self.cfg["rollout"] == "vllm":
-            self.rollout.sync_weights(fsdp.FullModel(fsdp.full_model_state(self.model, cpu_offload=False),
+            self.rollout.sync_weights(fsdp.FullModel(fsdp.full_model_state(self.model),
                                                      self.model.config))
         else:
             self.rollout.sync_weights(self.model)

@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcrl.rl: error: {e}", file=sys.stderr)
         return 2
+    from .checkpoint import RanksDisagree
     from .loop import SaveFailed
     from .tensorfile import ModelMismatch
 
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
         return 2
     except SaveFailed as e:
         print(f"hpcrl.rl: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RanksDisagree as e:  # a set-up fault, not a bug: a line for `status`, no traceback
+        report_failure(ctx, str(e))
         return 1
     except OSError as e:
         if e.errno != errno.ENOSPC:

@@ -175,3 +175,96 @@ def test_export_of_a_checkpoint_in_parts_is_a_sharded_model_directory(home, trai
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
     want = model.state_dict()
     assert all(torch.equal(loaded[k], want[k]) for k in want if k in loaded)
+
+
+def two_rank_gather():
+    """gather(obj) for two threads playing two ranks: each gets both ranks' objects, in rank order."""
+    import threading
+
+    seen, barrier = {}, threading.Barrier(2, timeout=30)
+
+    def gather(rank, obj):
+        seen[rank] = obj
+        barrier.wait()
+        out = [seen[0], seen[1]]
+        barrier.wait()  # nobody overwrites a slot before both have read it
+        return out
+
+    return gather
+
+
+def test_ranks_that_see_different_newest_checkpoints_fail_together(trained, tmp_path):
+    """A run directory that is not one file system for every node: rank 0 finds step 4, rank 1
+    only step 2. Both ranks stop at the same gather with the reason, rather than loading two
+    different checkpoints into one model."""
+    import threading
+
+    model, tok, opt = trained
+    save_in_parts(tmp_path / "node0", model, opt, tok, step=2)
+    save_in_parts(tmp_path / "node0", model, opt, tok, step=4)
+    save_in_parts(tmp_path / "node1", model, opt, tok, step=2)
+    gather, errors = two_rank_gather(), [None, None]
+
+    def resume(rank):
+        ckpt = checkpoint.Checkpointer(tmp_path / f"node{rank}", keep_last=3, async_save=False, tokenizer=tok)
+        try:
+            checkpoint.restore_share(ckpt, rank, 2, lambda obj: gather(rank, obj))
+        except checkpoint.RanksDisagree as e:
+            errors[rank] = str(e)
+
+    threads = [threading.Thread(target=resume, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors[0] == errors[1] and "different newest checkpoints (steps [2, 4])" in errors[0]
+    assert "a file system every node shares" in errors[0]
+
+
+def test_ranks_that_agree_resume_the_same_step_with_their_own_shares(trained, tmp_path):
+    import threading
+
+    model, tok, opt = trained
+    save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4)
+    gather, got = two_rank_gather(), [None, None]
+
+    def resume(rank):
+        ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", keep_last=3, async_save=False, tokenizer=tok)
+        step, path, share = checkpoint.restore_share(ckpt, rank, 2, lambda obj: gather(rank, obj))
+        got[rank] = (step, path.name, set(share[0]))
+
+    threads = [threading.Thread(target=resume, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got[0][:2] == got[1][:2] and got[0][0] == 4
+    assert got[0][2] and got[1][2] and not got[0][2] & got[1][2]  # disjoint shares of the tensors
+    assert got[0][2] | got[1][2] == set(model.state_dict())
+
+
+def test_the_trainer_reports_ranks_that_disagree_in_one_line(tmp_path, monkeypatch, capsys):
+    """train.main turns it into the one-line reason `status` shows (stderr and trainer_error.txt),
+    exit 1, no traceback. The trainer's run is a stand-in that raises it; the rest is real."""
+    from hpcrl import protocol
+    from hpcrl.rl import loop, train
+
+    from helpers import protocol_env
+    from rl_helpers import write_config
+
+    class Disagreeing:
+        def __init__(self, cfg, ctx, stop):
+            pass
+
+        def run(self):
+            raise checkpoint.RanksDisagree("the ranks see different newest checkpoints (steps [2, 4]): ...")
+
+    config = write_config(tmp_path)
+    for key, value in protocol_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(protocol, "StopFlag", lambda ctx: None)  # keep pytest's own signal handlers
+    monkeypatch.setattr(loop, "RLTrainer", Disagreeing)
+    assert train.main(["--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err == "hpcrl.rl: error: the ranks see different newest checkpoints (steps [2, 4]): ...\n"
+    assert (tmp_path / protocol.ERROR_FILE).read_text().startswith("the ranks see different newest")
