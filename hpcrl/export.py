@@ -38,7 +38,7 @@ MODEL_INDEX = "model.safetensors.index.json"
 
 
 def _resume_only(name: str) -> bool:
-    return name in RESUME_ONLY or (name.startswith("optimizer-") and name.endswith(".safetensors"))
+    return name in RESUME_ONLY or (name.startswith(("optimizer-", "ref-")) and name.endswith(".safetensors"))
 
 
 def _spec(run: Run) -> dict:

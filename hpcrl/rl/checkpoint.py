@@ -49,11 +49,6 @@ def _clone(obj, prev=None):
     return obj
 
 
-def snapshot_tensors(obj):
-    """A CPU copy of obj's tensors (a state_dict a background write must not see change)."""
-    return _clone(obj)
-
-
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -102,19 +97,24 @@ def write_snapshot(snap: dict, directory: Path, tokenizer=None) -> dict:
     """Write a snapshot's files; return the manifest entries computed while writing them."""
     directory = Path(directory)
     known = {"model.safetensors": tensorfile.write(directory / "model.safetensors", snap["model"], {"format": "pt"})}
-    tensors, meta = _flatten_optimizer(snap["optimizer"])
+    tensors, meta = flatten_optimizer(snap["optimizer"])
     known["optimizer.safetensors"] = tensorfile.write(directory / "optimizer.safetensors", tensors, meta)
     known.update(write_common(snap, directory, tokenizer))
     return known
 
 
 def write_part(part: dict, directory: Path, rank: int, world: int) -> dict:
-    """One rank's files of a checkpoint written in parts (parts.py): its model tensors and the
-    optimizer state of the same parameters, already flattened ("state.<index>.<key>")."""
+    """One rank's files of a checkpoint written in parts (parts.py): its model tensors, the
+    optimizer state of the same parameters, already flattened ("state.<index>.<key>"), and the
+    reference's tensors of the same names when the part has them."""
     directory = Path(directory)
     model, optim = parts.part_name("model", rank, world), parts.part_name("optimizer", rank, world)
-    return {model: tensorfile.write(directory / model, part["model"], {"format": "pt"}),
-            optim: tensorfile.write(directory / optim, part["optimizer"], part["meta"])}
+    known = {model: tensorfile.write(directory / model, part["model"], {"format": "pt"}),
+             optim: tensorfile.write(directory / optim, part["optimizer"], part["meta"])}
+    if part.get("ref") is not None:
+        ref = parts.part_name("ref", rank, world)
+        known[ref] = tensorfile.write(directory / ref, part["ref"], {"format": "pt"})
+    return known
 
 
 def write_common(snap: dict, directory: Path, tokenizer=None) -> dict:
@@ -134,8 +134,9 @@ def write_common(snap: dict, directory: Path, tokenizer=None) -> dict:
     return known
 
 
-def _flatten_optimizer(state_dict: dict) -> tuple[dict, dict]:
-    """An optimizer state_dict as safetensors: tensors "state.<param>.<key>", the rest as JSON."""
+def flatten_optimizer(state_dict: dict) -> tuple[dict, dict]:
+    """An optimizer state_dict as safetensors: tensors "state.<param>.<key>", the rest as JSON
+    metadata; optimizer_state_dict puts them back together (fsdp.py writes and reads the same)."""
     tensors, other = {}, {}
     for index, per_param in state_dict["state"].items():
         for key, value in per_param.items():
@@ -163,14 +164,21 @@ def _from_json(text: str):
     return json.loads(text, object_hook=lambda d: tuple(d["__tuple__"]) if d.keys() == {"__tuple__"} else d)
 
 
+def optimizer_state_dict(state: dict, meta: dict) -> dict:
+    """The optimizer state_dict from its tensors ({param index: {key: tensor}}) and the metadata
+    flatten_optimizer wrote beside them (the non-tensor entries and the param groups)."""
+    state = {index: dict(values) for index, values in state.items()}
+    for index, values in _from_json(meta["other_state"]).items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": _from_json(meta["param_groups"])}
+
+
 def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
     state: dict = {}
     for name, value in tensors.items():
         _, index, key = name.split(".", 2)
         state.setdefault(int(index), {})[key] = value
-    for index, values in _from_json(meta["other_state"]).items():
-        state.setdefault(int(index), {}).update(values)
-    return {"state": state, "param_groups": _from_json(meta["param_groups"])}
+    return optimizer_state_dict(state, meta)
 
 
 class Checkpointer:
@@ -311,15 +319,16 @@ class RanksDisagree(RuntimeError):
     one file system for all of them. Every rank raises it at the same point (from one gather)."""
 
 
-def restore_share(ckpt: "Checkpointer", rank: int, world: int, gather):
+def restore_share(ckpt: "Checkpointer", rank: int, world: int, gather, ref: bool = True):
     """A sharded resume (fsdp): the newest checkpoint whose share every rank read intact, as
-    (step, path, (model tensors, optimizer tensors, optimizer metadata)) - this rank's share of
-    parts.read_share - or (None, None, None). gather(obj) -> every rank's obj (a collective):
-    the ranks agree on each checkpoint, so a file one rank finds damaged sends all to the next."""
+    (step, path, (model tensors, optimizer tensors, optimizer metadata, reference tensors)) -
+    this rank's share of parts.read_share - or (None, None, None). gather(obj) -> every rank's
+    obj (a collective): the ranks agree on each checkpoint, so a file one rank finds damaged
+    sends all to the next. ref=False: the run has no KL reference; its files are not read."""
     for step, path in ckpt.store.newest_first(skip=TENSOR_FILES):
         share, error = None, None
         try:
-            share = parts.read_share(path, _manifest_files(path), rank, world)
+            share = parts.read_share(path, _manifest_files(path), rank, world, ref)
         except (CorruptFile, OSError) as e:
             error = str(e)
         seen = gather((step, error))
@@ -363,11 +372,15 @@ def load_into(path, model, optimizer, ref_model=None) -> dict:
 
 
 def load_common(path, ref_model=None) -> dict:
-    """The reference model (when it was saved), every RNG and the trainer state from `path`."""
+    """The reference model (when it was saved: one file, or in parts), every RNG and the trainer
+    state from `path`."""
     path = Path(path)
     files = _manifest_files(path)
-    if ref_model is not None and "ref.safetensors" in files:
+    ref_files = parts.files_of(files, "ref")
+    if ref_model is not None and ref_files == ["ref.safetensors"]:
         _load_module(ref_model, _reader(path, files), "ref.safetensors")
+    elif ref_model is not None and ref_files:
+        _load_parts(ref_model, _reader(path, files), ref_files, path, "ref")
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
 
@@ -398,10 +411,13 @@ def _load_module(module, tensors, name: str) -> None:
         raise CorruptFile(f"file {name} has tensors the model does not: {sorted(extra)[:3]}")
 
 
-def _load_parts(module, tensors, names: list, path: Path) -> None:
+def _load_parts(module, tensors, names: list, path: Path, kind: str = "model") -> None:
+    """Parts of `kind` into an unsharded module: each file fills the entries the model's index
+    puts in it (the reference's parts follow the model's index)."""
     try:
         weight_map = json.loads((path / parts.MODEL_INDEX).read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        weight_map = parts.weight_map_of(weight_map, kind)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptFile(f"{parts.MODEL_INDEX}: {e}") from None
     targets = module.state_dict()
     if set(weight_map) != set(targets) or not set(weight_map.values()) <= set(names):

@@ -12,6 +12,8 @@ and AdamW state between phases. What the loop relies on:
 - rollout, evaluation and no-grad log-prob passes run inside `gathered()`: every module is
   unsharded once and stays so for the phase, so ranks may run different numbers of forwards
   (generation needs no collective per token) and the stop check inside them still works;
+- the KL reference is sharded alike (a rank holds 1/world of it), gathered for its no-grad pass
+  like the policy's; the end of the warm-up copies each rank's shards into it;
 - checkpoints are written in parts (parts.py): each rank gathers the whole tensors it owns
   (about 1/world of the bytes) and writes them, and a resume has each rank read a share of the
   files and scatter every tensor's shards from the rank that read it. The tensors are whole in
@@ -86,8 +88,8 @@ def _options(**kw):
 
 
 def full_model_state(model) -> dict:
-    """The unsharded state_dict on every rank, on the model's device (a collective): the KL
-    reference and a vLLM engine of each rank need the whole weights."""
+    """The unsharded state_dict on every rank, on the model's device (a collective): each rank's
+    vLLM engine needs the whole weights."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=False))
@@ -103,14 +105,15 @@ class FullModel:
         return self._state
 
 
-def owned_part(model, optimizer, rank: int, world: int) -> tuple[dict, tuple]:
+def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict, tuple]:
     """This rank's part of a checkpoint: the whole model tensors parts.assign gives it, copied to
-    CPU, and their optimizer state flattened as checkpoint.write_part wants it; with the index
-    (weight_map, total bytes). A collective: every rank gathers every tensor in the same order
-    and keeps its own, so no rank holds more than its share at once."""
+    CPU, and their optimizer state flattened as checkpoint.write_part wants it (and, given the
+    sharded KL reference, its tensors of the same names); with the index (weight_map, total
+    bytes). A collective: every rank gathers every tensor in the same order and keeps its own,
+    so no rank holds more than its share at once."""
     from torch.distributed.tensor import DTensor
 
-    from .checkpoint import _flatten_optimizer
+    from .checkpoint import flatten_optimizer
 
     def whole(t):
         return t.full_tensor().cpu() if isinstance(t, DTensor) else t.detach().to("cpu", copy=True)
@@ -119,11 +122,16 @@ def owned_part(model, optimizer, rank: int, world: int) -> tuple[dict, tuple]:
     owner = parts.assign({n: t.numel() * t.element_size() for n, t in sd.items()}, world)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     weight_map = {n: parts.part_name("model", owner[n], world) for n in sd}
-    mine = {}
-    for name, t in sd.items():
-        full = whole(t)
-        if owner[name] == rank:
-            mine[name] = full
+    def keep(state):
+        out = {}
+        for name, t in state.items():
+            full = whole(t)
+            if owner[name] == rank:
+                out[name] = full
+        return out
+
+    mine = keep(sd)
+    mine_ref = None if ref is None else keep(ref.state_dict())
     osd = optimizer.state_dict()  # state keyed by parameter index, as a 1-rank run saves it
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -134,22 +142,25 @@ def owned_part(model, optimizer, rank: int, world: int) -> tuple[dict, tuple]:
             value = whole(value) if isinstance(value, torch.Tensor) else value
             if keep:
                 state.setdefault(i, {})[key] = value
-    tensors, meta = _flatten_optimizer({"state": state, "param_groups": osd["param_groups"]})
-    return {"model": mine, "optimizer": tensors, "meta": meta}, (weight_map, total)
+    tensors, meta = flatten_optimizer({"state": state, "param_groups": osd["param_groups"]})
+    return {"model": mine, "optimizer": tensors, "meta": meta, "ref": mine_ref}, (weight_map, total)
 
 
-def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: list) -> None:
+def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: list, ref_t: dict | None = None,
+                  ref=None) -> None:
     """Load a checkpoint every rank read a share of (parts.read_share): each tensor's shards go
     from the rank that holds it to every rank (the placements of the live parameter), the rest
-    (AdamW's step) is broadcast. Raises ModelMismatch on every rank alike when the checkpoint
-    does not fit the model."""
+    (AdamW's step) is broadcast; the sharded KL reference likewise, when the checkpoint holds
+    one (else it stays the base model). Raises ModelMismatch on every rank alike when the
+    checkpoint does not fit the model."""
     import torch.distributed as tdist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from .checkpoint import _from_json
+    from .checkpoint import optimizer_state_dict
     from .tensorfile import ModelMismatch
 
-    held = dist.gather({n: (list(t.shape), str(t.dtype)) for n, t in {**model_t, **optim_t}.items()})
+    ref_t = {REF + n: t for n, t in (ref_t or {}).items()}  # the reference's names are the model's
+    held = dist.gather({n: (list(t.shape), str(t.dtype)) for n, t in {**model_t, **optim_t, **ref_t}.items()})
     metas = [m for ms in dist.gather(metas) for m in ms]
     owner, spec = {}, {}
     for rank, names in enumerate(held):
@@ -162,7 +173,7 @@ def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: l
             raise ModelMismatch(f"checkpoint tensor {name} is {dtype}{shape}, the model has "
                                 f"{like_dtype}{list(like_shape)}")
         device = like.device if like is not None else _device(model)
-        mine = model_t.get(name, optim_t.get(name))
+        mine = model_t.get(name, optim_t.get(name, ref_t.get(name)))
         src = mine.to(device) if mine is not None else torch.empty(like_shape, dtype=like_dtype, device=device)
         if isinstance(like, DTensor):
             return distribute_tensor(src, like.device_mesh, like.placements, src_data_rank=owner[name])
@@ -177,6 +188,12 @@ def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: l
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, new, options=_options(full_state_dict=False))
+    if ref is not None and any(n.startswith(REF) for n in owner):
+        ref_sd = ref.state_dict()
+        if set(ref_sd) != {n[len(REF):] for n in owner if n.startswith(REF)}:
+            raise ModelMismatch("the checkpoint's reference model does not have the model's tensors")
+        set_model_state_dict(ref, {n: spread(REF + n, t.shape, t.dtype, t) for n, t in ref_sd.items()},
+                             options=_options(full_state_dict=False))
     if not metas:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -189,10 +206,27 @@ def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: l
         state.setdefault(int(index), {})[key] = spread(
             name, p.shape if param_shaped else torch.Size(shape),
             p.dtype if param_shaped else getattr(torch, dtype.split(".")[-1]), p if param_shaped else None)
-    meta = parts.merge_optimizer_meta(metas)
-    for index, values in _from_json(meta["other_state"]).items():
-        state.setdefault(int(index), {}).update(values)
-    optimizer.load_state_dict({"state": state, "param_groups": _from_json(meta["param_groups"])})
+    optimizer.load_state_dict(optimizer_state_dict(state, parts.merge_optimizer_meta(metas)))
+
+
+REF = "ref/"  # the reference's tensors beside the model's of the same names, in scatter_share
+
+
+def copy_shards(src, dst) -> None:
+    """dst's weights := src's, for two models sharded alike (the KL reference after the warm-up):
+    each rank copies its own shards, no communication."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        theirs = src.state_dict()
+        for name, t in dst.state_dict().items():
+            s = theirs[name]
+            if isinstance(t, DTensor):
+                if t.placements != s.placements:
+                    raise ValueError(f"{name}: the two models are not sharded alike")
+                t.to_local().copy_(s.to_local())
+            else:
+                t.copy_(s)
 
 
 def _device(model):

@@ -52,13 +52,17 @@ class RLTrainer:
         if self.dist.is_main:
             self.dist.barrier()
         self.model, self.tok = policy.load_policy(self.model_dir, self.device, cfg["dtype"])
-        self.ref = self._make_ref() if cfg["beta"] > 0 else None  # unsharded: forward only, no state
-        if self.fsdp:
+        self.ref = self._make_ref() if cfg["beta"] > 0 else None  # forward only, no optimizer state
+        if self.fsdp:  # the reference is sharded alike: a rank holds 1/world of it too
             fsdp.shard(self.model)
+            if self.ref is not None:
+                fsdp.shard(self.ref)
             held = sum(p.to_local().numel() for p in self.model.parameters())
             total = sum(p.numel() for p in self.model.parameters())
+            ref = ("" if self.ref is None else
+                   f", {sum(p.to_local().numel() for p in self.ref.parameters())} of the reference's")
             self._say(f"fsdp: {len(fsdp.fsdp_modules(self.model))} modules sharded over {self.dist.world} ranks; "
-                      f"rank 0 holds {held} of {total} parameters")
+                      f"rank 0 holds {held} of {total} parameters{ref}")
         self.train_ex, self.val_ex = data.load_examples(train_path), data.load_examples(val_path)
         enc = dict(chat_template=cfg["chat_template"], max_prompt_length=cfg["max_prompt_length"])
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
@@ -211,14 +215,14 @@ class RLTrainer:
         """Sharded (fsdp): every rank writes the whole tensors it owns (parts.py); the gathering
         is the snapshot, the writing may go on in the background."""
         self._collective(self.ckpt.wait, every_rank=True)  # the last save is sealed; its buffers free
-        part, index = fsdp.owned_part(self.model, self.optimizer, self.dist.rank, self.dist.world)
+        part, index = fsdp.owned_part(self.model, self.optimizer, self.dist.rank, self.dist.world, ref)
         made = {}
         self._collective(lambda: made.update(tmp=str(self.ckpt.store.new_tmp_dir())))
         tmp = self.dist.gather(made.get("tmp"))[0]  # rank 0's directory, for every rank to write into
         common = None
-        if self.dist.is_main:  # the reference is copied: the end of the warm-up rewrites it in place
-            common = {"ref": None if ref is None else checkpoint.snapshot_tensors(ref.state_dict()),
-                      "rng": checkpoint.rng_state(), "state": state, "config": self.model.config, "index": index}
+        if self.dist.is_main:  # the reference's tensors are in the parts, like the model's
+            common = {"ref": None, "rng": checkpoint.rng_state(), "state": state, "config": self.model.config,
+                      "index": index}
         self._collective(lambda: self.ckpt.save_part(self.step, tmp, part, self.dist.rank, self.dist.world, common,
                                                      background, wait_s=self.cfg["dist_timeout_s"]),
                          every_rank=True)
@@ -226,11 +230,12 @@ class RLTrainer:
     def _resume(self) -> bool:
         t0 = time.monotonic()
         if self.fsdp:  # each rank reads a share of the files and scatters the shards (parts.py)
-            _, path, share = checkpoint.restore_share(self.ckpt, self.dist.rank, self.dist.world, self.dist.gather)
+            _, path, share = checkpoint.restore_share(self.ckpt, self.dist.rank, self.dist.world, self.dist.gather,
+                                                      ref=self.ref is not None)
             state = False  # nothing is read into the model before every rank's share is intact
             if path is not None:
-                fsdp.scatter_share(self.model, self.optimizer, self.dist, *share)
-                state = checkpoint.load_common(path, self.ref)
+                fsdp.scatter_share(self.model, self.optimizer, self.dist, *share, ref=self.ref)
+                state = checkpoint.load_common(path)
         else:
             _, path, state = self.ckpt.restore(self.model, self.optimizer, self.ref)
         load_s = time.monotonic() - t0
@@ -274,8 +279,10 @@ class RLTrainer:
     def _end_of_warmup(self) -> None:
         """The warmed-up model becomes the KL reference; its score shows what RL starts from."""
         if self.ref is not None:
-            self.ref.load_state_dict(fsdp.full_model_state(self.model) if self.fsdp
-                                     else self.model.state_dict())
+            if self.fsdp:
+                fsdp.copy_shards(self.model, self.ref)
+            else:
+                self.ref.load_state_dict(self.model.state_dict())
         if self.cfg["eval_before"]:
             self._evaluate("eval_sft")
 
@@ -362,7 +369,10 @@ class RLTrainer:
         total = cfg["batch_size"] * cfg["group_size"]
         size = total // cfg["mini_batches"]
         single = cfg["ppo_epochs"] * cfg["mini_batches"] == 1
-        ref_logp = self._logprobs_no_grad(self.ref, batch) if self.ref is not None else None
+        ref_logp = None
+        if self.ref is not None:
+            with fsdp.gathered(self.ref, self.fsdp):  # as the policy's no-grad passes below
+                ref_logp = self._logprobs_no_grad(self.ref, batch)
         if not single and batch.old_logp is None:  # the engine gave none: one extra forward pass
             with fsdp.gathered(self.model, self.fsdp):  # the ranks' row counts (passes) may differ
                 batch.old_logp = self._logprobs_no_grad(self.model, batch)

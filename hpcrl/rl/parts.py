@@ -6,6 +6,8 @@ writes them itself:
 
     model-00001-of-00002.safetensors, model-00002-of-00002.safetensors, model.safetensors.index.json
     optimizer-00001-of-00002.safetensors, ...     (the AdamW state of the same parameters)
+    ref-00001-of-00002.safetensors, ...           (the KL reference after a warm-up: the model's
+                                                   names, so the model's index places them too)
 
 The model files are Hugging Face's sharded layout (the index's weight_map says which file holds
 each tensor), so `from_pretrained` loads a checkpoint as it loads a single model.safetensors;
@@ -33,11 +35,18 @@ from .. import ckptstore
 from . import tensorfile
 
 MODEL_INDEX = "model.safetensors.index.json"
-_PART = re.compile(r"^(model|optimizer)-(\d{5})-of-(\d{5})\.safetensors$")
+_PART = re.compile(r"^(model|optimizer|ref)-(\d{5})-of-(\d{5})\.safetensors$")
+KINDS = ("model", "optimizer", "ref")
 
 
 def part_name(kind: str, rank: int, world: int) -> str:
     return f"{kind}-{rank + 1:05d}-of-{world:05d}.safetensors"
+
+
+def weight_map_of(weight_map: dict, kind: str) -> dict:
+    """The model index's weight_map for the files of `kind` (the reference's parts hold the
+    same names as the model's, in the files of the same ranks)."""
+    return {name: kind + file[len("model"):] for name, file in weight_map.items()}
 
 
 def is_part(name: str, kind: str | None = None) -> bool:
@@ -134,7 +143,7 @@ def wait_reports(directory: Path, world: int, timeout_s: float) -> None:
 
 
 def files_of(manifest_files, kind: str) -> list:
-    """The checkpoint's files of one kind (model or optimizer): its parts, else the single file."""
+    """The checkpoint's files of one kind (model, optimizer or ref): its parts, else the single file."""
     parts = sorted(rel for rel in manifest_files if is_part(rel, kind))
     return parts or ([f"{kind}.safetensors"] if f"{kind}.safetensors" in manifest_files else [])
 
@@ -148,18 +157,19 @@ def merge_optimizer_meta(metas: list) -> dict:
     return {"param_groups": metas[0]["param_groups"], "other_state": json.dumps(other)}
 
 
-def read_share(path: Path, files: dict, rank: int, world: int) -> tuple[dict, dict, list]:
-    """Read and verify this rank's share of a checkpoint's tensor files (the model's and the
-    optimizer's, dealt round-robin over the ranks): (model tensors, optimizer tensors, optimizer
-    metadata of each optimizer file read). Raises tensorfile.CorruptFile."""
-    model, optim, metas = {}, {}, []
-    mine = [(kind, rel) for kind in ("model", "optimizer") for rel in files_of(files, kind)][rank::world]
-    for kind, rel in mine:
+def read_share(path: Path, files: dict, rank: int, world: int, ref: bool = True) -> tuple[dict, dict, list, dict]:
+    """Read and verify this rank's share of a checkpoint's tensor files (the model's, the
+    optimizer's and the reference's, dealt round-robin over the ranks): (model tensors, optimizer
+    tensors, optimizer metadata of each optimizer file read, reference tensors). ref=False: a run
+    without a KL reference reads none of its files. Raises tensorfile.CorruptFile."""
+    got, metas = {kind: {} for kind in KINDS}, []
+    kinds = KINDS if ref else KINDS[:2]
+    for kind, rel in [(kind, rel) for kind in kinds for rel in files_of(files, kind)][rank::world]:
         try:
             tensors, meta = tensorfile.load(Path(path) / rel, files[rel])
         except tensorfile.CorruptFile as e:
             raise tensorfile.CorruptFile(f"file {rel}: {e}") from None
-        (model if kind == "model" else optim).update(tensors)
+        got[kind].update(tensors)
         if kind == "optimizer":
             metas.append(meta)
-    return model, optim, metas
+    return got["model"], got["optimizer"], metas, got["ref"]

@@ -77,14 +77,18 @@ def report_failure(ctx: protocol.Context, reason: str) -> None:
     protocol.report_error(ctx.run_dir, reason)
 
 
-if __name__ == "__main__":
-    code = main()
+def leave(code: int) -> None:
+    """The process's exit with main()'s code (every entry point that runs main ends here)."""
     if int(os.environ.get("WORLD_SIZE") or 1) > 1:
         # Every rank has passed the final collective (and saved) or is failing anyway. gloo's
         # threads can abort a rank at teardown ("terminate called without an active exception",
         # SIGABRT) when its peer's sockets close first, which torchrun reports as a failed segment
-        # (seen once in a full-suite run): leave without the interpreter's and C++'s teardown.
+        # (seen in full-suite runs): leave without the interpreter's and C++'s teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    leave(main())

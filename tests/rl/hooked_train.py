@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 
 
@@ -75,4 +74,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpcrl.rl import train
+
+    train.leave(main())  # as the real entry point leaves: under torchrun without gloo's teardown

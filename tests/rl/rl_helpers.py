@@ -86,18 +86,18 @@ def exit_file_code(run_dir: Path):
     return int(path.read_text()) if path.exists() else None
 
 
-def checkpoint_model(path: Path) -> dict:
-    """A checkpoint's model tensors, from model.safetensors or (written in parts by fsdp ranks)
-    from the files Hugging Face's index names."""
+def checkpoint_model(path: Path, kind: str = "model") -> dict:
+    """A checkpoint's model tensors (kind="ref": its KL reference's), from model.safetensors or
+    (written in parts by fsdp ranks) from the files Hugging Face's index names."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    if (path / "model.safetensors").exists():
-        return load_file(path / "model.safetensors")
+    if (path / f"{kind}.safetensors").exists():
+        return load_file(path / f"{kind}.safetensors")
     index = json.loads((path / "model.safetensors.index.json").read_text())
     out = {}
     for name in sorted(set(index["weight_map"].values())):
-        out.update(load_file(path / name))
+        out.update(load_file(path / name.replace("model", kind, 1)))
     assert set(out) == set(index["weight_map"])
     return out
 

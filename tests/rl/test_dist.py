@@ -14,6 +14,7 @@ them by a large part of that change in one step).
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,10 +40,14 @@ def steps(run_dir):
             for r in read_metrics(run_dir) if r.get("phase") in ("sft", "train")}
 
 
-def params(run_dir, step=TOTAL):
+def params_path(run_dir, step=TOTAL):
     found = CheckpointStore(run_dir / "checkpoints").find_latest()
     assert found is not None and found[0] == step, found
-    return checkpoint_model(found[1])
+    return found[1]
+
+
+def params(run_dir, step=TOTAL):
+    return checkpoint_model(params_path(run_dir, step))
 
 
 def assert_close_params(a, b, base):
@@ -146,6 +151,8 @@ def two_ranks_fsdp(tmp_path_factory):
     assert rc == 0, err[-3000:]
     assert exit_file_code(run_dir) == protocol.EXIT_COMPLETE
     assert "fsdp: 2 modules sharded over 2 ranks" in out  # the one decoder layer and the root
+    held = re.search(r"rank 0 holds (\d+) of (\d+) parameters, (\d+) of the reference's", out)
+    assert held and int(held[1]) == int(held[3]) < 0.6 * int(held[2]), out  # the reference is sharded too
     return run_dir
 
 
@@ -160,17 +167,19 @@ def test_fsdp_two_ranks_match_one(one_rank, two_ranks_fsdp, base_params):
     assert evals and evals[-1]["eval/n"] == DIST_ARGS["eval_size"]
 
 
-def test_fsdp_ranks_write_their_own_parts_and_from_pretrained_loads_them(two_ranks_fsdp):
-    """Each rank wrote the whole tensors it owns (not all through rank 0): two model files and two
-    optimizer files of about half the bytes each, Hugging Face's index, no rank report left; and
-    the checkpoint is a model directory from_pretrained loads."""
+def test_fsdp_ranks_write_their_own_parts_and_from_pretrained_loads_them(one_rank, two_ranks_fsdp):
+    """Each rank wrote the whole tensors it owns (not all through rank 0): two model files, two
+    optimizer files and two files of the (sharded) KL reference of about half the bytes each,
+    Hugging Face's index, no rank report left; and the checkpoint is a model directory
+    from_pretrained loads."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     path = CheckpointStore(two_ranks_fsdp / "checkpoints").find_latest()[1]
     names = sorted(p.name for p in path.iterdir())
     assert "model.safetensors" not in names and not [n for n in names if n.startswith(".part-")], names
-    for kind in ("model", "optimizer"):
+    assert "ref.safetensors" not in names  # the reference is in parts too: no rank held all of it
+    for kind in ("model", "optimizer", "ref"):
         files = [path / f"{kind}-0000{i}-of-00002.safetensors" for i in (1, 2)]
         sizes = [f.stat().st_size for f in files]
         assert min(sizes) > 0.25 * sum(sizes), (kind, sizes)  # both ranks wrote a real share
@@ -183,6 +192,10 @@ def test_fsdp_ranks_write_their_own_parts_and_from_pretrained_loads_them(two_ran
     on_disk = checkpoint_model(path)
     assert on_disk.keys() <= loaded.keys()
     assert all(torch.equal(loaded[k], v) for k, v in on_disk.items())
+    # the reference is the model after the warm-up (step 2), as in the 1-rank run: within
+    # rounding, against how far RL moved the model from it
+    assert_close_params(checkpoint_model(path, "ref"), checkpoint_model(params_path(one_rank), "ref"),
+                        checkpoint_model(params_path(one_rank)))
 
 
 def test_fsdp_two_ranks_resume_on_two_ranks_past_a_damaged_part(one_rank, base_params, tmp_path):

@@ -29,7 +29,7 @@ def trained(model_dir):
 
 
 def save_in_parts(store_dir, model, opt, tok, step, world=2, broken_rank=None, silent_rank=None, blocked_rank=None,
-                  wait_s=30.0):
+                  wait_s=30.0, ref=None):
     """Every rank's save_part into one temporary directory; each rank's error (or None)."""
     savers = [checkpoint.Checkpointer(store_dir, keep_last=3, async_save=True, tokenizer=tok) for _ in range(world)]
     tmp = savers[0].store.new_tmp_dir()
@@ -39,7 +39,7 @@ def save_in_parts(store_dir, model, opt, tok, step, world=2, broken_rank=None, s
     for rank in range(world):
         if rank == silent_rank:
             continue
-        part, index = fsdp.owned_part(model, opt, rank, world)
+        part, index = fsdp.owned_part(model, opt, rank, world, ref)
         if rank == broken_rank:  # a tensor safetensors cannot hold: this rank's write fails
             part["model"]["bad"] = torch.zeros(2, dtype=torch.complex64)
         common = None
@@ -268,3 +268,33 @@ def test_the_trainer_reports_ranks_that_disagree_in_one_line(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err == "hpcrl.rl: error: the ranks see different newest checkpoints (steps [2, 4]): ...\n"
     assert (tmp_path / protocol.ERROR_FILE).read_text().startswith("the ranks see different newest")
+
+
+def test_the_reference_is_written_in_parts_and_read_back_by_one_rank_and_by_shares(trained, model_dir, tmp_path):
+    """The KL reference of an fsdp run (after a warm-up it is not the base model) goes in parts
+    with the model's names and the model's index: a 1-rank load fills the reference, the shares
+    of two ranks hold all of it between them, and export leaves it out."""
+    model, tok, opt = trained
+    ref, _ = policy.load_policy(model_dir, torch.device("cpu"))  # the base model: unlike the trained one
+    assert any(not torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))
+    save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2, ref=ref)
+    path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
+    files = ckptstore.read_manifest(path)["files"]
+    assert parts.files_of(files, "ref") == ["ref-00001-of-00002.safetensors", "ref-00002-of-00002.safetensors"]
+    fresh, _ = policy.load_policy(model_dir, torch.device("cpu"))
+    fresh_ref, _ = policy.load_policy(model_dir, torch.device("cpu"))
+    with torch.no_grad():
+        for p in fresh_ref.parameters():
+            p.zero_()
+    checkpoint.load_into(path, fresh, torch.optim.AdamW(fresh.parameters()), fresh_ref)
+    assert all(torch.equal(v, fresh_ref.state_dict()[k]) for k, v in ref.state_dict().items())
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in model.state_dict().items())
+    shares = [parts.read_share(path, files, r, 2) for r in (0, 1)]
+    # six files dealt round-robin: rank 0 model-1, optimizer-1, ref-1; rank 1 the -2 files
+    assert not shares[0][3].keys() & shares[1][3].keys()
+    assert shares[0][3].keys() | shares[1][3].keys() == ref.state_dict().keys()
+    assert all(torch.equal(v, ref.state_dict()[k]) for s in shares for k, v in s[3].items())
+    assert parts.read_share(path, files, 0, 2, ref=False)[3] == {}  # a run without a reference reads none
+    from hpcrl.export import _resume_only
+
+    assert _resume_only("ref-00001-of-00002.safetensors") and not _resume_only("model-00001-of-00002.safetensors")

@@ -84,7 +84,7 @@ def test_sigusr1_resume_is_exact(straight, tmp_path):
 
     rc, out, err = run_trainer(run_dir, segment=2)
     assert rc == protocol.EXIT_COMPLETE, err[-3000:]
-    assert f"resumed from" in out and "eval_before" not in out
+    assert "resumed from" in out and "eval_before" not in out
     assert steps_by_number(run_dir) == steps_by_number(straight)
     assert_same_params(final_params(run_dir), final_params(straight))
     evals = lambda d: [r["eval/reward_mean"] for r in read_metrics(d) if r.get("phase") == "eval_after"]
