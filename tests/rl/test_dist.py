@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -209,6 +210,22 @@ def test_fsdp_two_ranks_resume_on_two_ranks_past_a_damaged_part(one_rank, base_p
     flip_bit(run_dir / "checkpoints" / checkpoint_name(stopped) / "model-00002-of-00002.safetensors")
     out, err = finish_like_the_straight_run(run_dir, one_rank, base_params, older)
     assert "model-00002-of-00002.safetensors: fails its" in err
+
+
+def test_fsdp_scatter_loads_every_shard_reference_and_optimizer_state_exactly(tmp_path):
+    """What the resume tests check within a tolerance, exactly: scatter_share into a fresh sharded
+    model, reference and AdamW leaves each rank holding the original's shards and state bit for
+    bit (tests/rl/scatter_check.py; it fails when the reference is left out, for one)."""
+    from hpcrl.rl.tiny import build_tiny_model
+
+    from rl_helpers import REPO, trainer_env
+
+    model_dir = build_tiny_model(tmp_path / "model", hidden_size=32, layers=2, heads=2, max_int=60)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests" / "rl" / "scatter_check.py"), str(model_dir)],
+                          env=trainer_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stdout.count(": 0 differ") == 2, proc.stdout
 
 
 def test_fsdp_stopped_by_the_stop_file_resumes_on_one_rank(one_rank, base_params, tmp_path):
