@@ -122,7 +122,7 @@ def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict,
     owner = parts.assign({n: t.numel() * t.element_size() for n, t in sd.items()}, world)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     weight_map = {n: parts.part_name("model", owner[n], world) for n in sd}
-    def keep(state):
+    def owned(state):
         out = {}
         for name, t in state.items():
             full = whole(t)
@@ -130,8 +130,8 @@ def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict,
                 out[name] = full
         return out
 
-    mine = keep(sd)
-    mine_ref = None if ref is None else keep(ref.state_dict())
+    mine = owned(sd)
+    mine_ref = None if ref is None else owned(ref.state_dict())
     osd = optimizer.state_dict()  # state keyed by parameter index, as a 1-rank run saves it
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]

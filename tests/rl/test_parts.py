@@ -177,11 +177,12 @@ def test_export_of_a_checkpoint_in_parts_is_a_sharded_model_directory(home, trai
     assert all(torch.equal(loaded[k], want[k]) for k in want if k in loaded)
 
 
-def two_rank_gather():
-    """gather(obj) for two threads playing two ranks: each gets both ranks' objects, in rank order."""
+def as_two_ranks(fn) -> list:
+    """fn(rank, gather) in two threads playing two ranks, where gather(obj) gives each both ranks'
+    objects in rank order (a collective); each rank's result, or the exception it raised."""
     import threading
 
-    seen, barrier = {}, threading.Barrier(2, timeout=30)
+    seen, barrier, results = {}, threading.Barrier(2, timeout=30), [None, None]
 
     def gather(rank, obj):
         seen[rank] = obj
@@ -190,54 +191,49 @@ def two_rank_gather():
         barrier.wait()  # nobody overwrites a slot before both have read it
         return out
 
-    return gather
+    def run(rank):
+        try:
+            results[rank] = fn(rank, lambda obj: gather(rank, obj))
+        except Exception as e:
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
 
 
 def test_ranks_that_see_different_newest_checkpoints_fail_together(trained, tmp_path):
     """A run directory that is not one file system for every node: rank 0 finds step 4, rank 1
     only step 2. Both ranks stop at the same gather with the reason, rather than loading two
     different checkpoints into one model."""
-    import threading
-
     model, tok, opt = trained
     save_in_parts(tmp_path / "node0", model, opt, tok, step=2)
     save_in_parts(tmp_path / "node0", model, opt, tok, step=4)
     save_in_parts(tmp_path / "node1", model, opt, tok, step=2)
-    gather, errors = two_rank_gather(), [None, None]
 
-    def resume(rank):
+    def resume(rank, gather):
         ckpt = checkpoint.Checkpointer(tmp_path / f"node{rank}", keep_last=3, async_save=False, tokenizer=tok)
-        try:
-            checkpoint.restore_share(ckpt, rank, 2, lambda obj: gather(rank, obj))
-        except checkpoint.RanksDisagree as e:
-            errors[rank] = str(e)
+        return checkpoint.restore_share(ckpt, rank, 2, gather)
 
-    threads = [threading.Thread(target=resume, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert errors[0] == errors[1] and "different newest checkpoints (steps [2, 4])" in errors[0]
-    assert "a file system every node shares" in errors[0]
+    errors = as_two_ranks(resume)
+    assert all(isinstance(e, checkpoint.RanksDisagree) for e in errors), errors
+    assert str(errors[0]) == str(errors[1]) and "different newest checkpoints (steps [2, 4])" in str(errors[0])
+    assert "a file system every node shares" in str(errors[0])
 
 
 def test_ranks_that_agree_resume_the_same_step_with_their_own_shares(trained, tmp_path):
-    import threading
-
     model, tok, opt = trained
     save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4)
-    gather, got = two_rank_gather(), [None, None]
 
-    def resume(rank):
+    def resume(rank, gather):
         ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", keep_last=3, async_save=False, tokenizer=tok)
-        step, path, share = checkpoint.restore_share(ckpt, rank, 2, lambda obj: gather(rank, obj))
-        got[rank] = (step, path.name, set(share[0]))
+        step, path, share = checkpoint.restore_share(ckpt, rank, 2, gather)
+        return step, path.name, set(share[0])
 
-    threads = [threading.Thread(target=resume, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    got = as_two_ranks(resume)
     assert got[0][:2] == got[1][:2] and got[0][0] == 4
     assert got[0][2] and got[1][2] and not got[0][2] & got[1][2]  # disjoint shares of the tensors
     assert got[0][2] | got[1][2] == set(model.state_dict())
