@@ -16,7 +16,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as the one line every hpcrl error is (no usage dump)."""
 
     def error(self, message):
-        print(f"hpcrl: error: {self.prog}: {message}; see `{self.prog} --help`", file=sys.stderr)
+        # "hpcrl: error: MESSAGE" for the top level, "hpcrl: error: submit: MESSAGE" below it (the
+        # program's name once, not twice)
+        where = self.prog[len("hpcrl"):].strip()
+        print(f"hpcrl: error: {where + ': ' if where else ''}{message}; see `{self.prog} --help`", file=sys.stderr)
         sys.exit(2)
 
 
@@ -344,6 +347,9 @@ def _rl_command(name: str):
     return run
 
 
+RUN_HELP = "run id, or any unique start of it (`hpcrl status` lists them)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hpcrl", description="RL post-training on batch systems with walltimes: "
                                 "render, submit, checkpoint before the walltime, resubmit, resume, watch.")
@@ -354,22 +360,22 @@ def build_parser() -> argparse.ArgumentParser:
         _add_run_options(sp)
         sp.set_defaults(func=fn)
     sp = sub.add_parser("status", help="where every run stands (or one run in detail)")
-    sp.add_argument("run", nargs="?")
+    sp.add_argument("run", nargs="?", help=RUN_HELP + " (default: every run, one line each)")
     sp.add_argument("--json", action="store_true", help="machine-readable list of runs")
     sp.set_defaults(func=cmd_status)
     sp = sub.add_parser("logs", help="print or follow (-f) a run's log across its segments")
-    sp.add_argument("run")
+    sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("-f", "--follow", action="store_true", help="follow live, moving on to each next segment")
     sp.add_argument("--segment", type=int, help="segment K (default: the newest)")
     sp.add_argument("--interval", type=float, default=30.0, help="TPU runs: seconds between copies from the bucket (default 30)")
     sp.set_defaults(func=cmd_logs)
     sp = sub.add_parser("watch", help="keep a run going: poll it, start next segments, re-create preempted TPU VMs")
-    sp.add_argument("run")
+    sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("--interval", type=float, default=60.0, help="seconds between polls (default 60)")
     sp.add_argument("--once", action="store_true", help="poll once, print one line and exit")
     sp.set_defaults(func=cmd_watch)
     sp = sub.add_parser("resume", help="continue a stopped, cancelled or failed run from its last checkpoint")
-    sp.add_argument("run")
+    sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("--hours", type=float, help="new walltime per segment")
     sp.add_argument("--total-hours", type=float, help="new total budget in hours")
     sp.add_argument("--max-segments", type=int, help="new segment limit")
@@ -378,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="other resources of the next segments, e.g. resources.ranks_per_node=2")
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("cancel", help="cancel a run's running and queued jobs")
-    sp.add_argument("run")
+    sp.add_argument("run", help=RUN_HELP)
     sp.set_defaults(func=cmd_cancel)
     sp = sub.add_parser("sites", help="built-in and user site profiles, with their QOS limits")
     sp.add_argument("--json", action="store_true")
@@ -397,25 +403,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true", help="overwrite an existing file")
     sp.set_defaults(func=cmd_init)
     sp = sub.add_parser("plot", help="plot a run's metrics by step across its segments (needs hpcrl[plot])")
-    sp.add_argument("runs", nargs="+", metavar="RUN", help="one run, or several to compare on the same axes")
+    sp.add_argument("runs", nargs="+", metavar="RUN", help="one run, or several to compare on the same axes (ids or unique prefixes)")
     sp.add_argument("--metric", action="append", metavar="NAME",
                     help="a metrics key to plot (repeatable; default: reward, KL, loss, response length)")
     sp.add_argument("--out", help="PNG file to write (default: RUN.png here)")
     sp.set_defaults(func=cmd_plot)
     sp = sub.add_parser("export", help="the trained model as a Hugging Face directory (from_pretrained loads it)")
-    sp.add_argument("run")
+    sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
     sp.add_argument("--out", required=True, help="new directory to write")
     sp.add_argument("--execute", action="store_true",
                     help="verl and MaxText runs: run their converter here (default: print the command)")
     sp.set_defaults(func=cmd_export)
     sp = sub.add_parser("metrics", help="every segment's metrics as one table (csv, parquet, jsonl)")
-    sp.add_argument("run")
+    sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("--format", default="csv", choices=["csv", "parquet", "jsonl"], help="default csv")
     sp.add_argument("--out", help="file to write (default: stdout; parquet needs a file)")
     sp.set_defaults(func=cmd_metrics)
-    for name, help_ in (("data", "make datasets: countdown, gsm8k (needs hpcrl[rl])"),
-                        ("model", "build a tiny local model: model tiny --out DIR (needs hpcrl[rl])")):
+    for name, help_ in FORWARDED.items():
+        # parsed by hpcrl.rl.commands in its own process (main() forwards every argument, --help
+        # included): only the name is known here
         sp = sub.add_parser(name, help=help_, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(func=_rl_command(name))
@@ -426,14 +433,37 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rc", type=int, default=0)
     sp.set_defaults(func=cmd_segment)
     sub._choices_actions = [a for a in sub._choices_actions if a.dest != "_segment"]
+    _help_when_incomplete(p)
     return p
 
 
+# The trainer's own commands (hpcrl/rl/commands.py parses them; `hpcrl data --help` shows theirs).
+# Their subcommands are named here so the top-level help lists them (tests/test_cli.py checks
+# this list against `hpcrl data --help` / `hpcrl model --help`).
+FORWARDED = {"data": "make datasets: countdown, gsm8k, convert (your rows), code-tiny (needs hpcrl[rl])",
+             "model": "build a model locally: tiny (needs hpcrl[rl])"}
+
+
+def _help_when_incomplete(parser: argparse.ArgumentParser) -> None:
+    """A command given without its sub-command (`hpcrl venv`) prints its own help instead of an
+    error: every parser with sub-commands, at any depth, is marked here, the deepest mark wins."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            parser.set_defaults(_help_of=parser)
+            for child in action.choices.values():
+                _help_when_incomplete(child)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser()
+    if argv and argv[0] in FORWARDED:
+        # every argument goes to the trainer's parser, its --help and -h too (argparse's REMAINDER
+        # would stop at a leading option); alone, the command lists its sub-commands
+        return _rl_command(argv[0])(argparse.Namespace(rest=argv[1:] or ["--help"]))
     ns = parser.parse_args(argv)
     if not getattr(ns, "func", None):
-        parser.print_help()
+        getattr(ns, "_help_of", parser).print_help()
         return 0
     try:
         return ns.func(ns)

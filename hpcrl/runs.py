@@ -148,13 +148,28 @@ def registered_ids() -> list[str]:
         return []
 
 
+def resolve_id(text: str) -> str:
+    """The run id a user means: the id itself, or the one id starting with `text` (a prefix that
+    matches several runs lists them)."""
+    check_run_id(text)
+    if (registry_dir() / text).is_file():
+        return text
+    ids = registered_ids()
+    matches = [i for i in ids if i.startswith(text)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        shown = ", ".join(matches[:8]) + (f" and {len(matches) - 8} more" if len(matches) > 8 else "")
+        raise RunError(f"run '{text}': {len(matches)} runs start with it ({shown}); give more of the id")
+    raise RunError(f"run '{text}': no such run{did_you_mean(text, ids)}; `hpcrl status` lists runs")
+
+
 def run_dir_of(run_id: str) -> Path:
-    check_run_id(run_id)
+    run_id = resolve_id(run_id)
     try:
         return Path((registry_dir() / run_id).read_text(encoding="utf-8").strip())
     except (FileNotFoundError, NotADirectoryError):
-        ids = registered_ids()
-        raise RunError(f"run '{run_id}': no such run{did_you_mean(run_id, ids)}; `hpcrl status` lists runs") from None
+        raise RunError(f"run '{run_id}': no such run; `hpcrl status` lists runs") from None
     except OSError as e:
         raise RunError(f"run '{run_id}': cannot read its registry entry ({e.strerror})") from None
 
@@ -168,6 +183,7 @@ class Run:
 
     @classmethod
     def by_id(cls, run_id: str) -> "Run":
+        """The run of an id or of a unique prefix of one."""
         run = cls(run_dir_of(run_id))
         if not run.layout.state.is_file():
             raise RunError(f"run '{run_id}': its directory {run.dir} is gone or incomplete")

@@ -97,6 +97,34 @@ def _check_reward(a: dict, where) -> None:
         name = m.group(1)
         if name.startswith("model:") and not name[len("model:"):].strip():
             fail(where("reward"), a["reward"], "names model: without a path", "write model:/path/to/reward_model")
+        if reward_kind(name) == "name" and name not in REWARD_NAMES:
+            import difflib
+
+            close = difflib.get_close_matches(name, REWARD_NAMES, n=1, cutoff=0.6)
+            fail(where("reward"), a["reward"], f"names an unknown reward {name!r}"
+                 + (f" (did you mean {close[0]!r}?)" if close else ""),
+                 f"use {' | '.join(REWARD_NAMES)}, model:PATH, module:function or /path/file.py[:function]")
+
+
+# The reward names the trainer knows (hpcrl/rl/rewards.py BUILTIN, plus reward_mix's `length`;
+# tests/test_first_hour.py holds the two lists together).
+REWARD_NAMES = ("auto", "countdown", "gsm8k", "gsm8k_flexible", "code", "length")
+
+
+def reward_kind(name: str) -> str:
+    """What a reward term names: 'model' (model:PATH), 'file' (/path/file.py[:function]),
+    'module' (package.module:function) or 'name' (one of REWARD_NAMES)."""
+    if name.startswith("model:"):
+        return "model"
+    if name.endswith(".py") or ".py:" in name:
+        return "file"
+    return "module" if ":" in name else "name"
+
+
+def reward_file(name: str) -> tuple[str, str]:
+    """(path, function) of a 'file' term (the function defaults to compute_score)."""
+    path, sep, func = name.rpartition(":") if not name.endswith(".py") else (name, "", "")
+    return path, func or "compute_score"
 
 
 def _check_tiny(a: dict, where) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from ..errors import SpecError
-from ..schemas.builtin import SCHEMA
+from ..schemas.builtin import SCHEMA, reward_file, reward_kind
 from .base import Trainer, TrainerContext
 
 # The trainer's ML stack. torch is pinned: an unpinned torch may pull a multi-GB CUDA build.
@@ -36,6 +36,16 @@ class BuiltinTrainer(Trainer):
             raise SpecError(f"args.batch_size {args['batch_size']}: fewer prompts per step than the {world} ranks "
                             f"(resources.nodes x ranks_per_node); raise batch_size to at least {world} or use fewer ranks")
 
+    def check_submit(self, args: dict, world: int) -> None:
+        # a reward file is read where the job runs: a login node shares its filesystem with the
+        # compute nodes, so a missing file or function is known here, not after a queue wait
+        import re
+
+        for part in re.split(r"\s\+\s", str((args or {}).get("reward") or "")):
+            name = re.sub(r"^\s*[-+.\deE]+\s*\*\s*", "", part).strip()
+            if reward_kind(name) == "file":
+                check_reward_file(*reward_file(name))
+
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS
         if (args or {}).get("wandb_project"):
@@ -59,3 +69,34 @@ class BuiltinTrainer(Trainer):
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         # compute nodes usually have no internet: never let transformers try the hub
         return {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def check_reward_file(path: str, func: str) -> None:
+    """A SpecError unless `path` is a Python file that defines `func` at its top level (read with
+    ast: the user's code is not run here)."""
+    import ast
+    import difflib
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_absolute():
+        raise SpecError(f"args.reward: reward file '{path}' is a relative path; the job runs in the run directory, "
+                        f"so give its absolute path ({file.resolve()}?)")
+    if not file.is_file():
+        near = [str(p) for p in file.parent.glob("*.py")] if file.parent.is_dir() else []
+        close = difflib.get_close_matches(str(file), near, n=1, cutoff=0.6)
+        raise SpecError(f"args.reward: reward file {file} does not exist"
+                        + (f" (did you mean {close[0]}?)" if close else "") + "; give the path of a .py file")
+    try:
+        tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
+    except (OSError, UnicodeDecodeError, SyntaxError) as e:
+        raise SpecError(f"args.reward: reward file {file} cannot be read as Python ({e.__class__.__name__}: "
+                        f"{getattr(e, 'msg', e)}, line {getattr(e, 'lineno', '?')})") from None
+    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    names += [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+    names += [a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names]
+    if func not in names:
+        close = difflib.get_close_matches(func, names, n=1, cutoff=0.6)
+        raise SpecError(f"args.reward: reward file {file} defines no function {func!r}"
+                        + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + f"; write {file}:FUNCTION or define {func}(data_source, solution_str, ground_truth, extra_info)")
