@@ -214,6 +214,15 @@ def submit(resolved: dict, run_id: str | None = None) -> Run:
     return run
 
 
+def asked_of(resolved: dict) -> dict:
+    """What a segment is queued with (its record in state.json): status measures its goodput, cost
+    and ETA by these, not by what a later resume asks for."""
+    res, site = resolved["spec"].get("resources") or {}, resolved["site"]
+    return {"hours": float(resolved["spec"]["budget"]["hours"]), "nodes": int(res.get("nodes") or 1),
+            "gpus_per_node": int(res.get("gpus_per_node") or site.get("gpus_per_node") or 0),
+            "ranks_per_node": res.get("ranks_per_node")}
+
+
 def submit_hint(run: Run) -> list[str]:
     return backend_for(run).submit_hint(run.id)
 
@@ -233,7 +242,8 @@ def _carry_out(run: Run, state: dict, actions: list, backend=None) -> list[str]:
             resolved = run.spec()
             resolved["spec"]["budget"] = dict(state["budget"])  # as it is now, not as last committed
             job_id = backend.submit(run, resolved, after=action.after)
-            lifecycle.queued(state, job_id, action.after, clock())
+            seg = lifecycle.queued(state, job_id, action.after, clock())
+            seg["asked"] = asked_of(resolved)
             queued.append(str(job_id))
         elif isinstance(action, Cancel) and action.job_ids:
             backend.cancel(list(action.job_ids), run)
@@ -272,6 +282,9 @@ def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float, 
         if seg["state"] == lifecycle.SegState.SKIPPED:
             _carry_out(run, state, actions, backend)
             return None
+        # a lost segment (hard kill while saving) never reached its end hook: its flag would show
+        # this one as CHECKPOINTING throughout
+        run.layout.checkpointing_flag.unlink(missing_ok=True)
         pending = False
         try:
             _carry_out(run, state, actions, backend)

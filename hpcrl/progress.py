@@ -1,13 +1,16 @@
 """When a run will finish and what it costs: pure functions of the run's state, its segments'
 timings (results.segment_timings) and a few numbers from its spec, on an injected clock.
 
-The projection: the last segment's steps/s; each further segment costs what the latest segment
-that stopped for continuation cost (its start-up before the first step, its training window, its
-stop and save after the last step), and waits what the gaps between segments were on average.
+The projection: the newest measured steps/s; each further segment costs what the latest segment
+that stopped for continuation with today's walltime cost (its start-up before the first step, its
+training window, its stop and save after the last step), and waits what the gaps between segments
+were on average. Every past segment is measured by what it was queued with (seg["asked"]: hours,
+nodes, GPUs; launch.asked_of), so a resume that changes them leaves the past as it was.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .lifecycle import SegState, is_active, seg_state
@@ -24,6 +27,32 @@ class RunFacts:
     nodes: int = 1
     gpus_per_node: int = 0
     charge_factor: float | None = None  # the allocation's charge per node-hour, if the site says
+
+
+def asked(seg: dict, facts: RunFacts) -> dict:
+    """What the segment was queued with; the run's numbers for a segment recorded before segments
+    kept theirs (or adopted from a hand-submitted job)."""
+    own = seg.get("asked") or {}
+    return {"walltime_s": float(own["hours"]) * 3600.0 if own.get("hours") else facts.walltime_s,
+            "nodes": int(own.get("nodes") or facts.nodes),
+            "gpus_per_node": int(own["gpus_per_node"]) if own.get("gpus_per_node") is not None else facts.gpus_per_node}
+
+
+def planned_segments(state: dict, now: float) -> int:
+    """N of SEG k/N: the segments started so far plus those the rest of the budget pays for at
+    today's walltime (never fewer than have run, never more than max_segments)."""
+    budget = state["budget"]
+    started = [s for s in state["segments"] if s.get("started")]
+    if not is_active(state):
+        return len(started)
+    cap = int(budget["max_segments"])
+    if not (budget.get("total_hours") and budget.get("hours")):
+        return max(cap, len(started))
+    running = [s for s in started if seg_state(s) == SegState.RUNNING]
+    closed = [s for s in started if s not in running]
+    left_h = float(budget["total_hours"]) - sum(used_s(s, now) for s in closed) / 3600.0
+    more = max(len(running), math.ceil(max(0.0, left_h) / float(budget["hours"]) - 1e-9))
+    return max(len(started), min(cap, len(closed) + more))
 
 
 def used_s(seg: dict, now: float) -> float:
@@ -45,7 +74,7 @@ def goodput(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, now
         t = timings.get(seg.get("k"))
         used = used_s(seg, now)
         full = seg_state(seg) in (SegState.CONTINUE, SegState.LOST)
-        base = max(used, facts.walltime_s) if full else used
+        base = max(used, asked(seg, facts)["walltime_s"]) if full else used
         train = t.train_s if t else None
         out.append({"k": seg.get("k"), "job_id": seg.get("job_id"), "used_s": round(used, 1),
                     "train_s": None if train is None else round(min(train, used or train), 1),
@@ -55,21 +84,27 @@ def goodput(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, now
 
 
 def _model(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts) -> tuple[float, float, float, float]:
-    """(start-up s, training window s, segment wall s, gap s) a further segment is expected to take."""
+    """(start-up s, training window s, segment wall s, gap s) a further segment is expected to take:
+    measured on the latest full segment queued with today's walltime, else today's walltime less
+    the stop lead and the latest start-up seen."""
     started = [s for s in state["segments"] if s.get("started")]
-    startup, window, wall = 0.0, None, None
+    startup, window, wall = None, None, None
     for seg in reversed(started):
         t = timings.get(seg.get("k"))
-        if seg_state(seg) == SegState.CONTINUE and t and t.train_s and seg.get("ended"):
+        if not (t and t.train_s):
+            continue
+        if startup is None:
+            startup = max(0.0, t.first_time - t.step_s - seg["started"])
+        if seg_state(seg) == SegState.CONTINUE and seg.get("ended") and \
+                abs(asked(seg, facts)["walltime_s"] - facts.walltime_s) < 1.0:
             startup = max(0.0, t.first_time - t.step_s - seg["started"])
             window, wall = t.train_s, seg["ended"] - seg["started"]
             break
-    else:
+    if startup is None:  # no step timed yet: the running segment's start-up so far is unknown
         running = started[-1] if started else None
         t = timings.get(running.get("k")) if running else None
-        if t and t.first_time and t.step_s:
-            startup = max(0.0, t.first_time - t.step_s - running["started"])
-    if window is None:  # no full segment yet: the walltime less the stop lead and the start-up
+        startup = max(0.0, t.first_time - t.step_s - running["started"]) if t and t.first_time and t.step_s else 0.0
+    if window is None:  # no full segment at this walltime yet: the walltime less the stop lead and start-up
         wall = facts.walltime_s
         window = max(1.0, facts.walltime_s - facts.stop_lead_s - startup)
     gaps = [b["started"] - a["ended"] for a, b in zip(started, started[1:]) if a.get("ended")]
@@ -81,8 +116,9 @@ def eta(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, step: i
     """Steps/s of the last segment, projected finish (unix time and seconds from now), segments
     left after the running one, and the wall seconds the rest will hold nodes for."""
     started = [s for s in state["segments"] if s.get("started")]
-    last = timings.get(started[-1].get("k")) if started else None
-    rate = last.steps_per_s if last else None
+    # the newest segment that has a rate: right after a segment starts, the one before it
+    rates = [timings[s["k"]].steps_per_s for s in started if s.get("k") in timings]
+    rate = next((r for r in reversed(rates) if r), None)
     out = {"total_steps": facts.total_steps, "steps_per_s": None if rate is None else round(rate, 4),
            "finish_time": None, "eta_s": None, "segments_left": None, "wall_s_left": None}
     if not is_active(state):
@@ -96,12 +132,14 @@ def eta(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, step: i
     running = started[-1] if started and seg_state(started[-1]) == SegState.RUNNING else None
     t, held, segments = now, 0.0, 0
     if running:
-        train_end = running["started"] + startup + window
+        own_s = asked(running, facts)["walltime_s"]  # resumed with other hours: its own walltime
+        own_wall = wall if abs(own_s - facts.walltime_s) < 1.0 else own_s
+        train_end = running["started"] + startup + max(1.0, window + own_wall - wall)
         can = max(0.0, train_end - now)
         if left <= can:
             return _done(out, now + left, now, left + tail, 0)
         left -= can
-        seg_end = max(now, running["started"] + wall)
+        seg_end = max(now, running["started"] + own_wall)
         held, t = seg_end - now, seg_end + gap
     while True:
         segments += 1
@@ -119,16 +157,24 @@ def _done(out: dict, finish: float, now: float, held_s: float, segments: int) ->
 
 
 def cost(state: dict, facts: RunFacts, now: float, wall_s_left: float | None) -> dict:
-    """Wall hours, node-hours and GPU-hours used (segments x time each actually held x nodes) and,
-    with a projection, those of the whole run; charged = node-hours x the site's charge factor."""
-    used = sum(used_s(s, now) for s in state["segments"])
+    """Wall hours, node-hours and GPU-hours used (each segment's time held x the nodes and GPUs it
+    was queued with) and, with a projection, those of the whole run (the rest at today's
+    resources); charged = node-hours x the site's charge factor."""
+    segs = [(used_s(s, now), asked(s, facts)) for s in state["segments"]]
+    used = sum(u for u, _ in segs)
+    node_s = sum(u * a["nodes"] for u, a in segs)
+    gpu_s = sum(u * a["nodes"] * a["gpus_per_node"] for u, a in segs)
+    any_gpu = facts.gpus_per_node or any(a["gpus_per_node"] for u, a in segs if u)
     out = {"nodes": facts.nodes, "gpus_per_node": facts.gpus_per_node, "charge_factor": facts.charge_factor}
-    for suffix, wall in (("", used), ("_projected", None if wall_s_left is None else used + wall_s_left)):
-        node_h = None if wall is None else wall * facts.nodes / 3600.0
+    more = None if wall_s_left is None else wall_s_left
+    for suffix, wall, n_s, g_s in (("", used, node_s, gpu_s),
+                                   ("_projected", None if more is None else used + more,
+                                    None if more is None else node_s + more * facts.nodes,
+                                    None if more is None else gpu_s + more * facts.nodes * facts.gpus_per_node)):
+        node_h = None if wall is None else n_s / 3600.0
         out[f"wall_hours{suffix}"] = None if wall is None else round(wall / 3600.0, 4)
         out[f"node_hours{suffix}"] = None if node_h is None else round(node_h, 4)
-        out[f"gpu_hours{suffix}"] = None if node_h is None or not facts.gpus_per_node else \
-            round(node_h * facts.gpus_per_node, 4)
+        out[f"gpu_hours{suffix}"] = None if node_h is None or not any_gpu else round(g_s / 3600.0, 4)
         out[f"charged_hours{suffix}"] = None if node_h is None or facts.charge_factor is None else \
             round(node_h * facts.charge_factor, 4)
     return out

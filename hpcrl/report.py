@@ -36,8 +36,10 @@ def _display_state(run: Run, state: dict) -> str:
     return state["state"]
 
 
-def planned_segments(state: dict) -> int:
-    return lifecycle.planned_segments(state["budget"])
+def planned_segments(state: dict, now: float | None = None) -> int:
+    from . import progress
+
+    return progress.planned_segments(state, time.time() if now is None else now)
 
 
 # progress and results are imported where used: `status` of finished runs reads only the cache
@@ -85,7 +87,7 @@ def summary(run: Run, state: dict | None = None, note: str | None = None) -> dic
     return {
         "id": run.id, "site": state["site"], "state": _display_state(run, state),
         "reason": state.get("reason", ""), "note": note,
-        "segments": len(started), "segments_planned": planned_segments(state),
+        "segments": len(started), "segments_planned": planned_segments(state, now),
         "job_id": (live[0]["job_id"] if live else (started[-1]["job_id"] if started else None)),
         "step": step, "checkpoint_step": ckpt_step,
         "checkpoint_age_s": round(now - ckpt_time, 1) if ckpt_time else None, "checkpoint_time": ckpt_time,

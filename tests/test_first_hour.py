@@ -141,3 +141,65 @@ def test_every_command_takes_a_unique_prefix_and_an_ambiguous_one_lists_the_runs
     assert json.loads(hpcrl("status", "prefix-beta", "--json").stdout)[0]["id"] == "prefix-beta"
     r = hpcrl("cancel", "prefix-beta-", check=False)  # the one run starting with it: it is meant
     assert "prefix-beta-2" in r.stderr + r.stdout
+
+
+# ---------------------------------------------------------------- status after resume --hours
+
+
+def test_each_segment_keeps_what_it_was_queued_with_pure():
+    from hpcrl import progress
+
+    T = 1_000_000.0
+    segs = [{"k": 1, "job_id": "1", "state": "CONTINUE", "started": T, "ended": T + 36,
+             "asked": {"hours": 0.01, "nodes": 2, "gpus_per_node": 4}},
+            {"k": 2, "job_id": "2", "state": "RUNNING", "started": T + 40,
+             "asked": {"hours": 0.1, "nodes": 1, "gpus_per_node": 4}}]
+    state = {"run_id": "r", "state": "RUNNING", "segments": segs,
+             "budget": {"hours": 0.1, "total_hours": 1.5, "max_segments": 100}}
+    facts = progress.RunFacts(total_steps=None, walltime_s=360, stop_lead_s=4, nodes=1, gpus_per_node=4)
+    cost = progress.cost(state, facts, now=T + 100, wall_s_left=None)
+    assert cost["node_hours"] == round((36 * 2 + 60 * 1) / 3600, 4)  # segment 1 held two nodes
+    assert cost["gpu_hours"] == round((36 * 8 + 60 * 4) / 3600, 4)
+    from hpcrl.results import segment_timings
+
+    timings = segment_timings([{"step": s, "segment": 1, "time": T + 6 + s} for s in range(1, 27)])
+    good = progress.goodput(state, timings, facts, now=T + 100)
+    assert good[0]["goodput"] == pytest.approx(26 / 36, abs=0.01)  # its own 36 s, not today's 360
+    # SEG k/N: 1 segment ran, (1.5 h - 36 s) / 0.1 h -> 15 more, the running one among them
+    assert progress.planned_segments(state, T + 100) == 1 + 15
+
+
+def test_status_stays_truthful_after_resume_changes_the_walltime(fast_local):
+    from helpers import run_state, started, wait_for_run, wait_until
+
+    name = "resume-hours"
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.003", "--max-segments", "3",
+          "--name", name, "--set", "args.steps=100000", "--set", "args.step_time_s=0.05")
+    state = wait_for_run(name, timeout=240)
+    assert state["stop"]["kind"] == "max_segments" and len(started(state)) == 3
+    assert [(s["asked"]["hours"], s["asked"]["nodes"]) for s in started(state)] == [(0.003, 1)] * 3, started(state)
+    before = json.loads(hpcrl("status", name, "--json").stdout)[0]
+    assert before["segments"] == before["segments_planned"] == 3
+    good_before = {g["k"]: g["goodput"] for g in before["goodput"]}
+    assert all(0.2 < g <= 1 for g in good_before.values())
+
+    hpcrl("resume", name, "--hours", "0.01", "--total-hours", "0.03", "--max-segments", "50")
+    wait_until(lambda: any(s.get("k") == 4 for s in run_state(name)["segments"]), 60, "segment 4 to start")
+    wait_until(lambda: (json.loads(hpcrl("status", name, "--json").stdout)[0]["step"] or 0) > 0
+               and run_state(name)["state"] == "RUNNING", 60, "segment 4 to train")
+    row = json.loads(hpcrl("status", name, "--json").stdout)[0]
+    state = run_state(name)
+    closed_h = sum(s["ended"] - s["started"] for s in started(state) if s.get("ended")) / 3600
+    import math
+
+    assert row["segments"] == 4 <= row["segments_planned"]  # was 4/3 (ceil(0.03 / 0.01))
+    assert row["segments_planned"] == 3 + math.ceil((0.03 - closed_h) / 0.01 - 1e-9)
+    assert started(state)[-1]["asked"]["hours"] == 0.01
+    good_after = {g["k"]: g["goodput"] for g in row["goodput"]}
+    assert {k: good_after[k] for k in good_before} == good_before, "past segments keep their goodput"
+    assert row["cost"]["node_hours"] == pytest.approx(row["used_hours"], abs=2e-4)
+    assert row["eta"]["steps_per_s"] and row["eta"]["segments_left"] is not None
+    plain = hpcrl("status", name).stdout
+    assert f"4/{row['segments_planned']}" in plain
+    hpcrl("cancel", name)
+    wait_for_run(name, timeout=120)
