@@ -3,7 +3,7 @@ progress line, drawn with rich. Imported only when stdout is a terminal (piped o
 plain text, and rich is never loaded for it: `status | grep` starts as fast as before).
 
 Tables fit the terminal's width: no cell wraps; at 80 columns the least needed columns go (SITE,
-JOB) and the widest cells are cut with an ellipsis. rich honours NO_COLOR (no colours, same layout).
+JOB, then USED, CHECKPOINT) and LAST METRIC is cut with an ellipsis; a run id is never cut. rich honours NO_COLOR (no colours, same layout).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ STATE_STYLES = {"RUNNING": "green", "CHECKPOINTING": "cyan", "RESUBMITTED": "cya
                 "LOST": "red", "CANCELLED": "magenta", "STOPPED": "yellow", "QUEUED": "yellow", "SKIPPED": "dim"}
 # columns of the status table a narrow terminal leaves out, first to go first
 NARROW_DROP = (("JOB", 0), ("SITE", 0))
-VERY_NARROW_DROP = ("USED", "CHECKPOINT")  # when even the cut RUN and LAST METRIC do not fit
+VERY_NARROW_DROP = ("USED", "CHECKPOINT", "ETA")  # when even the whole RUN and a cut LAST METRIC do not fit
 
 
 def console() -> Console:
@@ -65,32 +65,42 @@ def _narrow(headers: list[str], rows: list[list[str]], width: int) -> tuple[list
 
 def status_table(rows: list[dict], out: Console | None = None) -> None:
     """The runs, one line each, fitted to the terminal: the least needed columns left out, then
-    RUN and LAST METRIC cut with an ellipsis. Laid out here and coloured with rich's styles (a
-    rich Table costs ~1 ms a row: 1 s for 1,000 runs); the layout is the same as _table's."""
+    LAST METRIC cut with an ellipsis. The id is never cut (every command needs it): when even the
+    fewest columns do not fit beside it, each id gets a line of its own above its row. Laid out
+    here and coloured with rich's styles (a rich Table costs ~1 ms a row: 1 s for 1,000 runs)."""
     out = out or console()
     headers, cells = _narrow(report.HEADERS, [report.table_row(r) for r in rows], out.width)
     while True:
         widths = _fit([max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)], headers,
-                      out.width, shrink=("RUN", "LAST METRIC"))
+                      out.width, shrink=("LAST METRIC",))
         spare = [h for h in VERY_NARROW_DROP if h in headers]
         if sum(widths) + 2 * (len(widths) - 1) <= out.width or not spare:
             break
         i = headers.index(spare[0])
         headers, cells = headers[:i] + headers[i + 1:], [r[:i] + r[i + 1:] for r in cells]
+    id_lines = sum(widths) + 2 * (len(widths) - 1) > out.width
+    if id_lines:  # the ids above their rows; the rest fitted without them
+        headers, cells = headers[1:], [r[1:] for r in cells]
+        widths = _fit([max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)], headers,
+                      out.width - 2, shrink=("LAST METRIC",))
     colour = out.color_system is not None and not out.no_color
     bold = Style(bold=True)
 
     def paint(text: str, style: Style | None) -> str:
         return style.render(text, color_system=out.color_system) if style and out.color_system else text
 
-    lines = ["  ".join(paint(_cut(h, w).ljust(w), bold) for h, w in zip(headers, widths)).rstrip()]
+    lead = "  " if id_lines else ""
+    lines = [(paint("RUN", bold) if id_lines else "")] if id_lines else []
+    lines.append(lead + "  ".join(paint(_cut(h, w).ljust(w), bold) for h, w in zip(headers, widths)).rstrip())
     state_at = headers.index("STATE")
-    for r in cells:
+    for row, r in zip(rows, cells):
+        if id_lines:
+            lines.append(row["id"])
         parts = []
         for i, (c, w) in enumerate(zip(r, widths)):
             cell = _cut(c, w).ljust(w)
             parts.append(paint(cell, _style(c) if i == state_at and colour else None))
-        lines.append("  ".join(parts).rstrip())
+        lines.append(lead + "  ".join(parts).rstrip())
     out.file.write("\n".join(lines) + "\n")
     out.file.flush()
     for r in rows:

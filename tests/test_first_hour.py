@@ -203,3 +203,35 @@ def test_status_stays_truthful_after_resume_changes_the_walltime(fast_local):
     assert f"4/{row['segments_planned']}" in plain
     hpcrl("cancel", name)
     wait_for_run(name, timeout=120)
+
+
+# ---------------------------------------------------------------- status at 80 columns, long ids
+
+from test_results import tmux  # noqa: E402,F401 - the real-terminal fixture (a private tmux server)
+
+
+def test_status_at_80_columns_shows_every_long_id_whole(fast_local, tmux):
+    from helpers import wait_for_run
+
+    names = ["countdown-tiny-20261204-081503", "countdown-tiny-20261204-081503-lr3e-6-group8-with-a-long-note"]
+    for name in names:
+        hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.01", "--name", name,
+              "--set", "args.steps=3", "--set", "args.step_time_s=0.01")
+    for name in names:
+        wait_for_run(name, timeout=120)
+    for width in (80, 100):
+        screen = tmux.screen(f"st{width}", ["status"], width)
+        lines = screen.rstrip("\n").splitlines()
+        assert all(len(ln) <= width for ln in lines), screen
+        for name in names:  # whole, on a line of its own or at the start of its row
+            assert any(ln.split() and ln.split()[0] == name for ln in lines), (name, screen)
+        assert "\u2026" not in "".join(ln.split()[0] for ln in lines if ln.split()), screen
+        assert "COMPLETED" in screen
+    # a short id keeps the one-line row
+    short = "short-id"
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.01", "--name", short,
+          "--set", "args.steps=3", "--set", "args.step_time_s=0.01")
+    wait_for_run(short, timeout=120)
+    screen = tmux.screen("one", ["status", short], 80)
+    row = next(ln for ln in screen.splitlines() if ln.startswith(short))
+    assert "COMPLETED" in row, screen
