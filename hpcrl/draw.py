@@ -165,22 +165,30 @@ def plain_table(headers: list[str], rows: list[list[str]], fold: tuple = (), out
 # ---------------------------------------------------------------- logs -f
 
 
-def progress_text(row: dict) -> Text:
-    """run, segment k/N, step/total, headline metric, ETA: one line for under a streamed log."""
+def progress_text(row: dict, width: int = 80) -> Text:
+    """state, segment k/N, step/total, ETA, headline metric, run id: one line for under a streamed
+    log, the most needed parts first and each only if it fits `width` whole (never cut)."""
     eta = row.get("eta") or {}
     total = eta.get("total_steps")
-    parts = [(row["id"], "bold"), "  ", (row["state"], STATE_STYLES.get(row["state"], "")),
-             f"  segment {row['segments']}/{row['segments_planned']}",
-             f"  step {report._s(row['step'])}/{report._s(total)}"]
-    if row.get("metric") is not None:
-        parts.append(f"  {row['metric_name']} {row['metric']:.4g}")
+    parts = [(row["state"], STATE_STYLES.get(row["state"], "")), f"seg {row['segments']}/{row['segments_planned']}",
+             f"step {report._s(row['step'])}/{report._s(total)}"]
     if report.is_active_row(row):
         if eta.get("finish_time"):
-            parts.append(f"  ETA {time.strftime('%H:%M:%S', time.localtime(eta['finish_time']))} "
+            parts.append(f"ETA {time.strftime('%H:%M', time.localtime(eta['finish_time']))} "
                          f"({report.duration(eta['eta_s'])})")
         else:
-            parts.append("  ETA ?")
-    text = Text.assemble(*parts)
+            parts.append("ETA ?")
+    if row.get("metric") is not None:
+        parts.append(f"{row['metric_name']} {row['metric']:.4g}")
+    parts.append((row["id"], "bold"))
+    kept, used = [], 0
+    for p in parts:
+        n = len(p[0] if isinstance(p, tuple) else p) + (2 if kept else 0)
+        if used + n > width:
+            continue
+        kept += (["  "] if kept else []) + [p]
+        used += n
+    text = Text.assemble(*kept)
     text.no_wrap, text.overflow = True, "ellipsis"
     return text
 
@@ -205,7 +213,7 @@ def follow_with_progress(run, index: int, poll_s: float = 0.5) -> None:
     out = console()
 
     def line():
-        return progress_text(report.summary(run, run.state()))
+        return progress_text(report.summary(run, run.state()), out.width)
 
     with Live(line(), console=out, refresh_per_second=4, transient=False, redirect_stdout=False,
               redirect_stderr=False) as live:

@@ -348,9 +348,28 @@ def headline_series(run: Run) -> tuple[str | None, list[float]]:
 def detail_sections(run: Run, state: dict, row: dict) -> list[tuple[str, str]]:
     """(label, text) lines of `status RUN` under its table, empty ones left out."""
     lines = [("reason", row["reason"]), ("error", error_line(state, row["reason"])), ("note", row.get("note") or ""),
+             ("eval", eval_line(run)),
              ("resources", resources_line(run)), ("progress", progress_line(row)), ("cost", cost_line(row)), ("goodput", goodput_line(row)),
              ("export", export_line(run))]
     return [(k, v) for k, v in lines if v]
+
+
+def eval_line(run: Run) -> str:
+    """The evaluations of a run, before -> after: at the start, after the warm-up, the newest."""
+    from . import results
+
+    ev = [r for r in results.read_records(run.layout.metrics)
+          if str(r.get("phase") or "").startswith("eval") and isinstance(r.get("eval/reward_mean"), (int, float))]
+    first = {r["phase"]: r for r in reversed(ev)}
+    parts = [(first[p], text) for p, text in (("eval_before", "at the start"), ("eval_sft", "after the warm-up"))
+             if p in first]
+    later = [r for r in ev if r["phase"] in ("eval", "eval_after")]
+    if later:
+        parts.append((later[-1], "at the end" if later[-1]["phase"] == "eval_after" else "latest"))
+    if not parts:
+        return ""
+    return "reward " + " -> ".join(f"{r['eval/reward_mean']:.3f} {text} (step {_s(r.get('step'))})"
+                                   for r, text in parts)
 
 
 def resources_line(run: Run) -> str:
