@@ -1,9 +1,12 @@
 """`hpcrl plot`: a run's curves (or several runs' on the same axes) as one PNG.
 
 One panel per metric (reward with its evaluations, KL, loss, response length by default) against
-the step; each segment's start is a dotted vertical line labelled with its number, each
-segment's last checkpoint a triangle on the axis, the evaluations before and after training
-annotated with their scores. matplotlib comes from the `plot` extra.
+the step; each segment's start is a dotted vertical line (numbered, at most ~12 labels whatever
+the count), each segment's last checkpoint a triangle on the axis, the evaluations before and
+after training annotated with their scores. Noisy training curves (reward, KL, loss) are drawn
+faint with a moving mean over them; the warm-up -> RL switch is a labelled line, and the warm-up's
+own loss (a different scale from RL's) has its own right-hand axis. Custom reward terms are named
+by their file and function, not by the sanitised key. matplotlib comes from the `plot` extra.
 
 The PNG carries what was drawn (panels, points, markers per run) in its "hpcrl" text chunk,
 counted from the figure's own artists, so a test or a script can check a plot without a viewer.
@@ -21,7 +24,9 @@ from .runs import Run
 # (panel title, training key, evaluation key)
 DEFAULT_PANELS = [("reward", "reward_mean", "eval/reward_mean"), ("KL to reference", "kl", None),
                   ("loss", "loss", None), ("response length", "response_len_mean", None)]
-BOUNDARY, CHECKPOINT = "segment-boundary", "checkpoint"
+BOUNDARY, CHECKPOINT, RL_START = "segment-boundary", "checkpoint", "rl-start"
+SEGMENT_LABELS = 12  # at most this many segment numbers on a panel: more overlap into a smear
+SMOOTHED = {"reward_mean", "kl", "loss"}  # noisy per-step values: raw faint, moving mean over them
 
 
 def _series(records: list[dict], key: str, train: bool) -> tuple[list, list, list]:
@@ -61,22 +66,33 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
         raise HpcrlError("`hpcrl plot` needs matplotlib: pip install 'hpcrl[plot]'") from None
     data = [(run, run.state(), results.read_records(run.layout.metrics)) for run in runs]
     panels = panels_for([d[2] for d in data], metrics)
+    names = {}
+    for run, _, _ in data:
+        names.update(reward_names(run))
+    panels = [(names.get(title, title), key, eval_key) for title, key, eval_key in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels) + 0.6), sharex=True, squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    twins = {}
     for row, (title, key, eval_key) in enumerate(panels):
         ax = axes[row][0]
         for i, (run, state, records) in enumerate(data):
             colour = colours[i % len(colours)]
-            _draw_run(ax, run.id, f"{run.id} " if len(data) > 1 else "", state, records, key, eval_key, colour,
-                      row == 0)
+            twin = _draw_run(ax, run.id, f"{run.id} " if len(data) > 1 else "", state, records, key, eval_key,
+                             colour, row == 0, names, twins.get(row))
+            if twin is not None:
+                twins[row] = twin
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best", fontsize=8)
+        handles, labels = ax.get_legend_handles_labels()
+        if row in twins:
+            more = twins[row].get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+        if handles:
+            ax.legend(handles, labels, loc="best", fontsize=8)
     axes[-1][0].set_xlabel("step")
     fig.suptitle(" vs ".join(r.id for r in runs) + ": metrics by step (dotted: segment starts, ^: checkpoints)")
     fig.tight_layout()
-    drawn = describe(fig, [r.id for r in runs], panels)
+    drawn = describe([axes[r][0] for r in range(len(panels))], [r.id for r in runs], panels, twins)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100, metadata={"hpcrl": json.dumps(drawn)})
@@ -85,42 +101,112 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
 
 
 def _draw_run(ax, label: str, prefix: str, state: dict, records: list[dict], key: str, eval_key: str | None,
-              colour: str, first_panel: bool) -> None:
+              colour: str, first_panel: bool, names: dict | None = None, twin=None):
     """One run's curve, its evaluations and its segment and checkpoint markers; artists' gids
-    start with the run id (what describe counts)."""
-    steps, values, _ = _series(records, key, train=True)
+    start with the run id (what describe counts). Returns the panel's right-hand axis when the
+    warm-up's loss was drawn on one."""
+    names = names or {}
+    shown = names.get(key, key)
+    steps, values, phases = _series(records, key, train=True)
+    warm = [(s, v) for s, v, p in zip(steps, values, phases) if p == "sft"]
+    if key == "loss" and warm and len(warm) < len(steps):  # RL's loss is flat on the warm-up's scale
+        twin = twin or ax.twinx()
+        twin.plot([s for s, _ in warm], [v for _, v in warm], color=colour, lw=1.0, ls="--", alpha=0.7,
+                  label=f"{prefix}warm-up loss (right axis)", gid=f"{label}:train")
+        twin.set_ylabel("warm-up loss")
+        steps, values = zip(*[(s, v) for s, v, p in zip(steps, values, phases) if p != "sft"])
+    else:
+        twin = None
     if steps:
-        ax.plot(steps, values, color=colour, lw=1.2, label=f"{prefix}{key}", gid=f"{label}:train")
+        smooth = key in SMOOTHED and len(steps) >= 20
+        ax.plot(steps, values, color=colour, lw=0.8 if smooth else 1.2, alpha=0.25 if smooth else 1.0,
+                label=f"{prefix}{shown}" + (" (each step)" if smooth else ""), gid=f"{label}:train")
+        if smooth:
+            ax.plot(steps, moving_mean(list(values), max(5, len(values) // 25)), color=colour, lw=1.6,
+                    label=f"{prefix}{shown} (moving mean)", gid=f"{label}:smooth")
+    rl_start = next((r["step"] for r in records if r.get("phase") == "train" and isinstance(r.get("step"), (int, float))),
+                    None) if any(r.get("phase") == "sft" for r in records) else None
+    if rl_start is not None:
+        ax.axvline(rl_start - 0.5, color="grey", ls="-", lw=1.2, alpha=0.8, gid=f"{label}:{RL_START}")
+        if first_panel:
+            ax.annotate("warm-up | RL", (rl_start, 0.5), xycoords=("data", "axes fraction"), xytext=(-30, 0),
+                        textcoords="offset points", fontsize=8, color="grey", rotation=90, va="center")
     ev_steps, ev_values, ev_phases = _series(records, eval_key or key, train=False)
     if ev_steps:
         ax.plot(ev_steps, ev_values, "o--", color=colour, ms=4, lw=0.8, alpha=0.8,
-                label=f"{prefix}{eval_key or key} (greedy eval)", gid=f"{label}:eval")
+                label=f"{prefix}{names.get(eval_key or key, eval_key or key)} (greedy eval)", gid=f"{label}:eval")
         for s, v, phase in zip(ev_steps, ev_values, ev_phases):
             if phase in ("eval_before", "eval_after"):
                 ax.annotate(f"{phase.split('_')[1]} {v:.3g}", (s, v), textcoords="offset points", xytext=(4, 6),
                             fontsize=8, color=colour)
-    for seg in state["segments"]:
-        if not seg.get("started"):
-            continue
+    segs = [seg for seg in state["segments"] if seg.get("started")]
+    every = max(1, -(-len(segs) // SEGMENT_LABELS))  # label every n-th segment: at most SEGMENT_LABELS
+    many = len(segs) > 3 * SEGMENT_LABELS
+    for n, seg in enumerate(segs):
         start = seg.get("start_step") or 0
-        ax.axvline(start, color=colour, ls=":", lw=1, alpha=0.7, gid=f"{label}:{BOUNDARY}:{seg.get('k')}")
-        if first_panel:
+        ax.axvline(start, color=colour, ls=":", lw=0.6 if many else 1, alpha=0.35 if many else 0.7,
+                   gid=f"{label}:{BOUNDARY}:{seg.get('k')}")
+        if first_panel and n % every == 0:
             ax.annotate(f"s{seg.get('k')}", (start, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
                         textcoords="offset points", fontsize=7, color=colour)
         if seg.get("end_step") is not None:
-            ax.plot([seg["end_step"]], [0], marker="^", color=colour, ms=6, transform=ax.get_xaxis_transform(),
-                    clip_on=False, gid=f"{label}:{CHECKPOINT}:{seg.get('k')}")
+            ax.plot([seg["end_step"]], [0], marker="^", color=colour, ms=4 if many else 6,
+                    transform=ax.get_xaxis_transform(), clip_on=False, gid=f"{label}:{CHECKPOINT}:{seg.get('k')}")
+    return twin
 
 
-def describe(fig, run_ids: list[str], panels) -> dict:
-    """What the figure holds, counted from its artists."""
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """The trailing mean of the last `window` values at each point (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _key(s: str) -> str:
+    # the trainer's metric key of a reward term (hpcrl/rl/reward_mix.py _key; a test holds them together)
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(s))[:60]
+
+
+def reward_names(run: Run) -> dict[str, str]:
+    """reward/<sanitised term> -> a readable name (my_reward.py:compute_score) for the run's
+    custom reward terms, read from its frozen spec."""
+    import re
+
+    try:
+        reward = json.loads(run.layout.spec.read_text(encoding="utf-8"))["spec"]["args"].get("reward") or ""
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    out = {}
+    for part in re.split(r"\s\+\s", str(reward)):
+        name = re.sub(r"^\s*[-+.\deE]+\s*\*\s*", "", part).strip()
+        if "/" in name or name.startswith("model:"):
+            kind, _, rest = name.partition("model:") if name.startswith("model:") else ("", "", name)
+            short = ("model:" if name.startswith("model:") else "") + Path(rest.rstrip("/")).name
+            out[f"reward/{_key(name)}"] = f"reward/{short}"
+    return out
+
+
+def describe(axes, run_ids: list[str], panels, twins: dict | None = None) -> dict:
+    """What the figure holds, counted from its artists (a panel's right-hand axis included)."""
     out = {"runs": run_ids, "panels": []}
-    for ax, (title, key, _) in zip(fig.axes, panels):
-        gids = [line.get_gid() or "" for line in ax.get_lines()]
-        points = sum(len(line.get_xdata()) for line in ax.get_lines() if (line.get_gid() or "").endswith(":train"))
+    for row, (ax, (title, key, _)) in enumerate(zip(axes, panels)):
+        lines = ax.get_lines() + ((twins or {})[row].get_lines() if row in (twins or {}) else [])
+        gids = [line.get_gid() or "" for line in lines]
+        points = sum(len(line.get_xdata()) for line in lines if (line.get_gid() or "").endswith(":train"))
         out["panels"].append({"title": title, "metric": key, "train_points": points,
-                              "eval_points": sum(len(line.get_xdata()) for line in ax.get_lines()
+                              "eval_points": sum(len(line.get_xdata()) for line in lines
                                                  if (line.get_gid() or "").endswith(":eval")),
                               "boundaries": {r: sum(g.startswith(f"{r}:{BOUNDARY}") for g in gids) for r in run_ids},
-                              "checkpoints": sum(f":{CHECKPOINT}:" in g for g in gids)})
+                              "checkpoints": sum(f":{CHECKPOINT}:" in g for g in gids),
+                              "smoothed": any(g.endswith(":smooth") for g in gids),
+                              "rl_start": any(g.endswith(f":{RL_START}") for g in gids),
+                              "warmup_axis": row in (twins or {}),
+                              "segment_labels": sum(1 for t in ax.texts if t.get_text().startswith("s")
+                                                    and t.get_text()[1:].isdigit())})
     return out

@@ -235,3 +235,50 @@ def test_status_at_80_columns_shows_every_long_id_whole(fast_local, tmux):
     screen = tmux.screen("one", ["status", short], 80)
     row = next(ln for ln in screen.splitlines() if ln.startswith(short))
     assert "COMPLETED" in row, screen
+
+
+# ---------------------------------------------------------------- plots at any segment count
+
+
+def test_plot_of_a_long_run_is_readable(home, tmp_path):
+    """A run of 40 segments with a warm-up and a custom reward file, written as the trainer and
+    the lifecycle write them, plotted by the real CLI."""
+    from PIL import Image
+
+    from hpcrl import runs
+    from hpcrl.rl.reward_mix import _key
+
+    rdir = tmp_path / "runs" / "long-run"
+    rdir.mkdir(parents=True)
+    term = "/tmp/some dir/my_reward.py:compute_score"
+    (rdir / "spec.json").write_text(json.dumps({"spec": {"trainer": "builtin", "args": {
+        "reward": f"0.5*countdown + 0.5*{term}"}, "resources": {}}, "site": {"name": "local"}}))
+    segs, recs, T = [], [], 1_000_000.0
+    for k in range(1, 41):
+        segs.append({"k": k, "job_id": str(k), "state": "CONTINUE", "started": T + 100 * k, "ended": T + 100 * k + 90,
+                     "start_step": (k - 1) * 10 or None, "end_step": k * 10})
+    for step in range(1, 401):
+        phase = "sft" if step <= 30 else "train"
+        rec = {"step": step, "phase": phase, "segment": (step - 1) // 10 + 1, "time": T + step,
+               "loss": 5.0 - step / 10 if phase == "sft" else 0.01 * ((-1) ** step)}
+        if phase == "train":
+            rec.update({"reward_mean": (step % 7) / 7, "kl": 0.001 * step, f"reward/{_key(term)}": 0.5})
+        recs.append(rec)
+    recs += [{"step": 0, "phase": "eval_before", "eval/reward_mean": 0.0},
+             {"step": 400, "phase": "eval_after", "eval/reward_mean": 0.7}]
+    (rdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (rdir / "state.json").write_text(json.dumps({"run_id": "long-run", "state": "STOPPED", "segments": segs,
+                                                 "budget": {"hours": 0.01, "total_hours": None, "max_segments": 40},
+                                                 "trainer": "builtin", "site": "local"}))
+    runs.register("long-run", rdir)
+    out = tmp_path / "long.png"
+    hpcrl("plot", "long", "--out", out)  # a prefix of the id
+    drawn = json.loads(Image.open(out).info["hpcrl"])
+    reward, kl, loss = drawn["panels"][:3]
+    assert reward["boundaries"] == {"long-run": 40} and reward["segment_labels"] <= 12
+    assert reward["smoothed"] and reward["rl_start"] and reward["eval_points"] == 2
+    assert loss["warmup_axis"] and loss["train_points"] == 400  # warm-up on its own axis, RL on the left
+    custom = tmp_path / "custom.png"
+    hpcrl("plot", "long-run", "--out", custom, "--metric", f"reward/{_key(term)}")
+    panel = json.loads(Image.open(custom).info["hpcrl"])["panels"][0]
+    assert panel["title"] == "reward/my_reward.py:compute_score", panel
