@@ -4,6 +4,7 @@ one table `hpcrl metrics` writes. Stdlib only until a table is written (pandas/p
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,20 +14,43 @@ TRAIN_PHASES = (None, "train", "sft")  # records of a training step; evaluations
 EVAL_PHASES = ("eval_before", "eval_sft", "eval", "eval_after")
 
 
+# path -> (inode, bytes consumed, records): `logs -f` redraws its progress line every half second
+# and `status RUN` looks at the records several times; each reads only what was appended since
+# (by offset, as the verl launcher follows its log), and a replaced or shortened file is read anew
+_READ: dict[str, tuple[int, int, list]] = {}
+
+
 def read_records(path) -> list[dict]:
-    """Every complete record of a metrics file, in order (a torn last line is skipped)."""
-    out = []
+    """Every complete record of a metrics file, in order (a torn last line waits for its newline)."""
+    key = str(path)
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict):
-                    out.append(rec)
+        st = os.stat(key)
+        inode, pos, records = _READ.get(key, (None, 0, []))
+        if inode != st.st_ino or st.st_size < pos:
+            pos, records = 0, []
+        if st.st_size > pos:
+            with open(key, "rb") as f:
+                f.seek(pos)
+                data = f.read(st.st_size - pos)
+            cut = data.rfind(b"\n") + 1
+            records = records + _parse(data[:cut])  # a new list: callers may hold the old one
+            pos += cut
+        _READ[key] = (st.st_ino, pos, records)
     except OSError:
+        _READ.pop(key, None)
         return []
+    return list(records)
+
+
+def _parse(data: bytes) -> list[dict]:
+    out = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
     return out
 
 

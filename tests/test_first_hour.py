@@ -282,3 +282,28 @@ def test_plot_of_a_long_run_is_readable(home, tmp_path):
     hpcrl("plot", "long-run", "--out", custom, "--metric", f"reward/{_key(term)}")
     panel = json.loads(Image.open(custom).info["hpcrl"])["panels"][0]
     assert panel["title"] == "reward/my_reward.py:compute_score", panel
+
+
+# ---------------------------------------------------------------- metrics read by offset
+
+
+def test_metrics_are_read_incrementally_and_anew_when_the_file_is_replaced(tmp_path, monkeypatch):
+    from hpcrl import results
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3')  # the last line is still being written
+    assert [r["step"] for r in results.read_records(path)] == [1, 2]
+    parsed = []
+    real = results._parse
+    monkeypatch.setattr(results, "_parse", lambda data: parsed.append(data) or real(data))
+    with open(path, "a") as f:
+        f.write('}\n{"step": 4}\n')
+    assert [r["step"] for r in results.read_records(path)] == [1, 2, 3, 4]
+    assert parsed == [b'{"step": 3}\n{"step": 4}\n']  # only what was appended
+    assert [r["step"] for r in results.read_records(path)] == [1, 2, 3, 4] and len(parsed) == 1
+    replaced = tmp_path / "new.jsonl"
+    replaced.write_text('{"step": 9}\n')
+    replaced.replace(path)  # a rewritten file (another inode): read from its start
+    assert [r["step"] for r in results.read_records(path)] == [9]
+    path.unlink()
+    assert results.read_records(path) == []
