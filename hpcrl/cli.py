@@ -270,7 +270,11 @@ def cmd_init(ns) -> int:
             print(f"{name:<28} {title}")
         return 0
     path = recipes.write(ns.recipe, ns.out, force=ns.force)
-    print(f"wrote {path}; edit it, then `hpcrl render` to see the script and `hpcrl submit` to run it")
+    from .shell import q
+
+    # render and submit find ./hpcrl.yaml by themselves; any other file must be named
+    arg = "" if os.path.abspath(path) == os.path.abspath("hpcrl.yaml") else f" {q(str(ns.out))}"
+    print(f"wrote {path}; edit it, then `hpcrl render{arg}` to see the script and `hpcrl submit{arg}` to run it")
     return 0
 
 

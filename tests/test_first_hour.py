@@ -307,3 +307,56 @@ def test_metrics_are_read_incrementally_and_anew_when_the_file_is_replaced(tmp_p
     assert [r["step"] for r in results.read_records(path)] == [9]
     path.unlink()
     assert results.read_records(path) == []
+
+
+# ---------------------------------------------------------------- the docs say what the code does
+
+
+def test_readme_recipe_list_is_init_list(home):
+    listed = hpcrl("init", "--list").stdout
+    names = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    para = readme[readme.index("Recipes (`hpcrl init --list`):"):]
+    para = para[:para.index(".\n")]
+    assert set(re.findall(r"`([^`]+)`", para)) - {"hpcrl init --list"} == names
+
+
+def test_init_list_titles_are_whole_sentences(home):
+    for line in hpcrl("init", "--list").stdout.splitlines():
+        assert line.rstrip().endswith((".", ")")), f"cut mid-sentence: {line}"
+
+
+def test_init_names_the_file_it_wrote_in_its_next_commands(home, tmp_path):
+    out = hpcrl("init", "--recipe", "smoke", "--out", "gsm8k.yaml", cwd=tmp_path).stdout
+    assert "`hpcrl render gsm8k.yaml`" in out and "`hpcrl submit gsm8k.yaml`" in out
+    assert "render gsm8k.yaml" in out and hpcrl("render", "gsm8k.yaml", cwd=tmp_path).returncode == 0
+    out = hpcrl("init", "--recipe", "smoke", cwd=tmp_path).stdout
+    assert "`hpcrl render` " in out  # ./hpcrl.yaml is found by itself
+
+
+def test_tiny_model_size_in_the_docs_is_the_models(tmp_path):
+    """The parameter count the README, the recipe and BENCHMARKS give is the built model's."""
+    pytest.importorskip("torch", reason="needs the rl extra (torch) to build the model")
+    from hpcrl.rl.tiny import build_tiny_model
+
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model(tmp_path / "m", hidden_size=128, layers=2, heads=4, max_int=200, seed=0, vocab="countdown",
+                     reward_head=False)
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tmp_path / "m").parameters())
+    said = f"{n:,}"
+    for doc in ("README.md", "BENCHMARKS.md", "hpcrl/recipes/countdown-tiny.yaml"):
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        assert said in text and "0.6 M" not in text, (doc, said)
+
+
+def test_perlmutter_doc_names_the_run_dir_files_a_run_has(fast_local):
+    from helpers import run_dir, wait_for_run
+
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.01", "--name", "files",
+          "--set", "args.steps=2", "--set", "args.step_time_s=0.01")
+    wait_for_run("files")
+    doc = (ROOT / "docs" / "perlmutter.md").read_text(encoding="utf-8")
+    records = next(ln for ln in doc.splitlines() if "hpcrl's own records" in ln)
+    named = re.findall(r"[\w.-]+\.\w+|[\w-]+/", records)
+    assert named and all((run_dir("files") / n.rstrip("/")).exists() for n in named), named

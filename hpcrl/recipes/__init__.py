@@ -11,12 +11,24 @@ _DIR = Path(__file__).resolve().parent
 
 
 def available() -> dict[str, str]:
-    """name -> its title (the first comment line of the recipe)."""
-    out = {}
-    for p in sorted(_DIR.glob("*.yaml")):
-        first = p.read_text(encoding="utf-8").splitlines()[0] if p.stat().st_size else ""
-        out[p.stem] = first.lstrip("# ").strip()
-    return out
+    """name -> its title: the first sentence of the recipe's opening comment (whole, though it
+    may run over a few lines)."""
+    return {p.stem: _title(p.read_text(encoding="utf-8")) for p in sorted(_DIR.glob("*.yaml"))}
+
+
+def _title(text: str) -> str:
+    import re
+
+    words = []
+    for line in text.splitlines()[:4]:
+        body = line[1:].strip() if line.startswith("#") else ""
+        if not body or line.startswith("#  "):  # a blank comment, YAML, or an indented example
+            break
+        words.append(body)
+        sentence = re.match(r"^(.*?[.!?])(\s|$)", " ".join(words))
+        if sentence:
+            return sentence.group(1)
+    return " ".join(words)
 
 
 def write(name: str, out: str, force: bool = False) -> Path:
