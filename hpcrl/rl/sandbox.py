@@ -15,7 +15,7 @@ itself and forks: the child is pid 1 of them (util-linux's `unshare --fork --kil
 mounts over /tmp, /var/tmp and /dev/shm, then forks a worker that switches to uid/gid `nobody`
 (when the trainer runs as root), sets rlimits (CPU s, address space, file size, open files,
 processes, no core), moves into a fresh directory that is its cwd, HOME and TMPDIR, clears the
-environment, and runs the code and the tests. The result comes back on the harness's own pipe.
+environment, and runs the code and the tests' calls. Their values come back on the harness's own pipe.
 
 Isolation levels (`isolation()` finds the best this host allows, once per process):
 - namespaces (root): all of the above. No network (a new network namespace has only a downed
@@ -29,10 +29,14 @@ Isolation levels (`isolation()` finds the best this host allows, once per proces
   is reachable, the program can signal your processes and write your files: run it in a
   container or as root for real isolation.
 
-Reward hacking: the program runs in the harness's interpreter, so a program that inspects the
-interpreter could forge its own result line. Stdin/stdout tests compare what it printed, which
-is harder to fake than an assert it could monkeypatch; nothing here defends the reward from a
-policy that attacks the harness itself.
+Reward hacking: the sandbox never says whether a test passed. The trainer splits each assert test
+into the call (sent to the sandbox) and the expected value and comparison (kept here: _plan), the
+worker sends back the calls' values as JSON data and stdin/stdout tests' printed text, and _judge
+compares them here after decode() made them plain built-in values. The program may do anything to
+its interpreter, the harness or its pipe: it only ever holds calls and inputs, never an expected
+value, so what it can send is claims of values, and a claim scores only if it is the answer. Tests
+that cannot be split run whole inside and are counted (Result.inside). docs/adapt.md states the
+guarantee; tests/rl/forgeries.py is the table of forgeries it stops.
 """
 
 from __future__ import annotations
@@ -537,6 +541,7 @@ class _Check:
     expected: object   # the trusted operand, or the source of an expression a clean sandbox evaluates
     pending: bool = False  # expected is still source (not a literal)
     source: str = ""   # the whole assert, run in the sandbox if the expected side cannot be had
+    leaky: bool = False    # the call side computes with operators inside (see _leaky)
 
 
 def _literal(node):
@@ -545,6 +550,18 @@ def _literal(node):
         return True, ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False, None
+
+
+def _leaky(call) -> bool:
+    """True if the call side computes with operators in the program's process: `abs(f(x) - 3.14)`,
+    `f(x) == 3 or f(x) == 4` carry the expected value in the text the program evaluates, and its
+    objects' operators can return what passes. Still judged here, but counted as forgeable."""
+    for n in ast.walk(call):
+        if isinstance(n, (ast.Compare, ast.BoolOp, ast.IfExp, ast.BinOp)):
+            return True
+        if isinstance(n, ast.UnaryOp) and not _literal(n)[0]:
+            return True
+    return False
 
 
 def _split_assert(node: ast.Assert, src: str):
@@ -561,16 +578,16 @@ def _split_assert(node: ast.Assert, src: str):
             if ok:
                 if name in ("is", "is not") and not any(value is s for s in _SINGLETONS):
                     return None
-                return _Check(name, call_left, value, source=whole), seg(call)
+                return _Check(name, call_left, value, source=whole, leaky=_leaky(call)), seg(call)
         if name in ("is", "is not"):
             return None
         # neither side is a literal: the right is the expected (a clean sandbox evaluates it)
-        return _Check(name, True, seg(right), pending=True, source=whole), seg(left)
+        return _Check(name, True, seg(right), pending=True, source=whole, leaky=_leaky(left)), seg(left)
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return _Check("not", True, None, source=whole), seg(test.operand)
+        return _Check("not", True, None, source=whole, leaky=_leaky(test.operand)), seg(test.operand)
     if isinstance(test, ast.Compare):
         return None  # chained comparisons
-    return _Check("truth", True, None, source=whole), seg(test)
+    return _Check("truth", True, None, source=whole, leaky=_leaky(test)), seg(test)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -622,9 +639,10 @@ def _plan(test: str, clean: dict) -> _Plan:
                 steps.append(["exec", check.source])
                 inside = True
                 continue
-            check = _Check(check.op, check.call_left, value)
+            check = _Check(check.op, check.call_left, value, leaky=check.leaky)
         steps.append(["eval", call])
         checks.append(check)
+        inside = inside or check.leaky
     return _Plan(steps, checks, inside or not checks)
 
 

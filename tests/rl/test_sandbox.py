@@ -371,7 +371,7 @@ def test_asserts_are_split_and_judged_here():
              "x = f(2, 2)\nassert x == 4, 'msg'",       # setup statements run in the sandbox
              "assert f(1, 1) == sorted([2, 1])[-1]",    # expected evaluated in a sandbox without the program
              "assert g() == ({1: (2, b'x')}, {3}, [None, 1.5])",
-             "assert f(1, 2) in [3, 4] and True",       # a bare truth value
+             "assert f(-1, 2)",                         # a bare truth value
              "assert not f(0, 0)",
              "assert f(0, 0) is not None",
              "assert f(1, 2) < 4"]
@@ -388,10 +388,15 @@ def test_unsplittable_asserts_run_inside_and_are_counted():
     tests = ["assert f(1, 2) == f(2, 1)",         # the expected side calls the program
              "for i in range(3):\n    assert f(i, 0) == i",
              "f(1, 2)",                            # no assert: passes if it does not raise
-             "assert 0 < f(1, 2) < 4"]             # chained
+             "assert 0 < f(1, 2) < 4",             # chained
+             # split, but the call side computes with the expected value in the program's process
+             "assert abs(f(1, 2) - 3.0) < 1e-9", "assert f(1, 2) == 3 or f(1, 2) == 4"]
     res = _score(code, tests)
-    assert (res.score, res.inside) == (1.0, 4), res
-    assert _score("def f(a, b):\n    return 0", tests).per_test == [True, False, True, False]
+    assert (res.score, res.inside) == (1.0, 6), res
+    assert _score("def f(a, b):\n    return 0", tests).per_test == [True, False, True, False, False, False]
+    # what the count is for: a lying operator passes such a test
+    liar = "class A:\n    __sub__ = __eq__ = lambda s, o: 0 if isinstance(o, float) else True\n    __abs__ = lambda s: 0\ndef f(a, b):\n    return A()"
+    assert _score(liar, tests[-2:]).score == 1.0
 
 
 def test_values_that_are_not_data_score_zero_with_their_reason():
