@@ -670,7 +670,8 @@ def _clean_values(exprs: list, limits: Limits, level: str, python: str) -> dict:
 
 def decode(value, depth: int = 0):
     """Plain built-in values from the sandbox's JSON (tagged: {"t": [...]} tuple, {"s": [...]}
-    set, {"d": [[k, v], ...]} dict, {"b": "latin-1"} bytes, {"c": [re, im]} complex);
+    set, {"d": [[k, v], ...]} dict, {"b": "latin-1"} bytes, {"c": [re, im]} complex, {"x": hex} a
+    long int);
     ValueError for anything else. What it returns is made here, of built-in types only, so no
     comparison with it runs code the program chose."""
     if depth > _MAX_DEPTH:
@@ -685,14 +686,27 @@ def decode(value, depth: int = 0):
         if tag == "t" and type(body) is list:
             return tuple(decode(v, depth + 1) for v in body)
         if tag == "s" and type(body) is list:
-            return frozenset(decode(v, depth + 1) for v in body)
+            return frozenset(_hashable(decode(v, depth + 1) for v in body))
         if tag == "d" and type(body) is list and all(type(kv) is list and len(kv) == 2 for kv in body):
-            return {decode(k, depth + 1): decode(v, depth + 1) for k, v in body}
+            keys = _hashable(decode(kv[0], depth + 1) for kv in body)
+            return dict(zip(keys, (decode(kv[1], depth + 1) for kv in body)))
+        if tag == "x" and type(body) is str and len(body) <= _RESULT_CAP:  # an int too long for decimal JSON
+            return int(body, 16)
         if tag == "b" and type(body) is str:
             return body.encode("latin-1")
         if tag == "c" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
             return complex(*body)
     raise ValueError("not data")
+
+
+def _hashable(items) -> list:
+    """Set elements or dict keys, refused (ValueError) when many share a hash: int and tuple hashes
+    are not randomised, so a program could send 100k colliding keys and make building the set
+    here quadratic."""
+    items = list(items)
+    if len(items) - len({hash(x) for x in items}) > 64:  # TypeError for an unhashable one
+        raise ValueError("colliding hashes")
+    return items
 
 
 def _check(check: _Check, raw) -> tuple[bool, str]:
@@ -847,7 +861,7 @@ def private_mounts(p, lim):
     p["work"] = work
 
 def worker(p, lim, w):
-    import io, resource, json
+    import io, resource
     os.setsid()
     if p["drop"]:
         os.setgroups([])
@@ -944,7 +958,10 @@ def worker(p, lim, w):
                 entry["error"] = err("error", e)
             entry["stdout"] = io.StringIO.getvalue(out)
         entries.append(entry)
-    blob = json.dumps({"tests": entries}).encode()
+    try:
+        blob = document(entries).encode()
+    except BaseException:  # e.g. the program replaced what document() uses: the trainer scores a crash
+        blob = b""
     while blob:
         blob = blob[os.write(w, blob):]
 
@@ -952,33 +969,62 @@ class NotData(Exception):
     pass
 
 def data(v, depth=0):
-    """A test's value as JSON data (see decode() on the trainer's side). Built-in types only;
-    a subclass goes as its built-in content (read through the base type, so overridden methods
-    do not run): an int subclass whose __eq__ lies is sent as the int it holds."""
+    """A test's value as JSON text (see decode() on the trainer's side), written here rather than
+    by the json package, whose import (it loads re) costs a spawned sample more than the rest of
+    the harness. Built-in types only; a subclass goes as its built-in content, read through the
+    base type so overridden methods do not run: an int subclass whose __eq__ lies is sent as the
+    int it holds."""
     if depth > 100:
         raise NotData("nested deeper than 100")
     d = depth + 1
-    if v is None or v is True or v is False:
-        return v
+    if v is None:
+        return "null"
+    if v is True or v is False:
+        return "true" if v else "false"
     if isinstance(v, int):
-        return int.__index__(v)
+        v = int.__index__(v)
+        # decimal ints are limited to 4300 digits (int_max_str_digits); hex is exempt
+        return str(v) if -(1 << 10000) < v < (1 << 10000) else '{"x":"%s"}' % hex(v)
     if isinstance(v, float):
-        return float.__float__(v)
+        return _float(float.__float__(v))
     if isinstance(v, str):
-        return str.__str__(v)
+        return quote(str.__str__(v))
     if isinstance(v, list):
-        return [data(x, d) for x in list.__iter__(v)]
+        return "[" + ",".join([data(x, d) for x in list.__iter__(v)]) + "]"
     if isinstance(v, tuple):
-        return {"t": [data(x, d) for x in tuple.__iter__(v)]}
+        return '{"t":[' + ",".join([data(x, d) for x in tuple.__iter__(v)]) + "]}"
     if isinstance(v, dict):
-        return {"d": [[data(k, d), data(x, d)] for k, x in dict.items(v)]}
+        return '{"d":[' + ",".join(["[%s,%s]" % (data(k, d), data(x, d)) for k, x in dict.items(v)]) + "]}"
     if isinstance(v, (set, frozenset)):
-        return {"s": [data(x, d) for x in (set.__iter__(v) if isinstance(v, set) else frozenset.__iter__(v))]}
+        items = set.__iter__(v) if isinstance(v, set) else frozenset.__iter__(v)
+        return '{"s":[' + ",".join([data(x, d) for x in items]) + "]}"
     if isinstance(v, (bytes, bytearray)):
-        return {"b": bytes(v).decode("latin-1")}
+        return '{"b":%s}' % quote(bytes(memoryview(v)).decode("latin-1"))
     if isinstance(v, complex):
-        return {"c": [complex.real.__get__(v), complex.imag.__get__(v)]}
+        return '{"c":[%s,%s]}' % (_float(complex.real.__get__(v)), _float(complex.imag.__get__(v)))
     raise NotData("a test's value must be data (None, bool, int, float, str, bytes, list, tuple, dict, set), not " + type(v).__name__[:60])
+
+def _float(f):
+    r = float.__repr__(f)
+    return {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}.get(r, r)
+
+def quote(s):
+    import _json  # C, no imports of its own
+    return _json.encode_basestring_ascii(s)
+
+def document(entries):
+    """The worker's one line: {"tests": [{"values": [...], "error": [kind, text], "stdout": text}]}."""
+    out = []
+    for e in entries:
+        parts = []
+        if "values" in e:
+            parts.append('"values":[' + ",".join(e["values"]) + "]")
+        if "error" in e:
+            parts.append('"error":[%s,%s]' % (quote(e["error"][0]), quote(e["error"][1])))
+        if "stdout" in e:
+            parts.append('"stdout":' + quote(e["stdout"]))
+        out.append("{" + ",".join(parts) + "}")
+    return '{"tests":[' + ",".join(out) + "]}"
 
 if __name__ == "__main__":
     main()
@@ -986,7 +1032,7 @@ if __name__ == "__main__":
 
 # The fork server's loop, exec'd in the harness's globals (so main() and libc() are its own).
 SERVER = r'''
-import socket, select, signal, struct, time, io, resource, json  # the samples' imports, done once
+import socket, select, signal, struct, time, io, resource, _json  # the samples' imports, done once
 
 def serve(fd):
     # No PDEATHSIG here: it fires when the *thread* that started the server exits (a run_batch

@@ -406,6 +406,9 @@ def test_values_that_are_not_data_score_zero_with_their_reason():
     # subclasses go as the built-in value they hold: an honest one passes, a lying one is judged on its value
     res = _score("import collections\ndef f(a, b):\n    return collections.Counter('aab')", ["assert f(1, 2) == {'a': 2, 'b': 1}"])
     assert res.score == 1.0, res
+    # an int longer than JSON's decimal ints may be (4300 digits) crosses as hex
+    res = _score("def f(a, b):\n    return 7 ** 9000", ["assert f(1, 2) == 7 ** 9000", "assert f(1, 2) == 7 ** 9000 + 1"])
+    assert res.per_test == [True, False], res
 
 
 def test_decode_takes_plain_data_only():
@@ -414,6 +417,10 @@ def test_decode_takes_plain_data_only():
     for bad in ({"x": 1}, {"t": 1}, {"d": [[1]]}, {"t": [], "s": []}, {"d": [[[1], 2]]}):
         with pytest.raises((ValueError, TypeError)):
             sandbox.decode(bad)
+    # int hashes are not randomised: a set of colliding keys would make decoding quadratic
+    mod = (1 << 61) - 1
+    with pytest.raises(ValueError):
+        sandbox.decode({"s": [i * mod for i in range(1, 1000)]})
     deep = [0]
     for _ in range(200):
         deep = [deep]
