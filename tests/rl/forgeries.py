@@ -120,6 +120,17 @@ for o in gc.get_objects():
 print(0)
 '''
 
+# Taking over the channel itself: every function of the harness that turns a value into what is
+# sent (today's data()/document(), found by walking gc) is made to send a claim of success.
+_CHANNEL = '''
+import gc
+for o in gc.get_objects():
+    if type(o).__name__ == "function" and o.__name__ in ("data", "document", "quote", "dumps", "worker"):
+        o.__code__ = (lambda *a, **k: '"passed"').__code__
+def f(a, b):
+    return 0
+'''
+
 FORGERIES = {
     # (kind, code): kind says which tests it is scored against
     "eq_overload": ("asserts", "class A:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
@@ -147,6 +158,7 @@ FORGERIES = {
     "sys_exit_0_before_tests": ("asserts", "import sys\nsys.exit(0)\ndef f(a, b):\n    return 0"),
     "os_exit_0_before_tests": ("asserts", "import os\nos._exit(0)\ndef f(a, b):\n    return 0"),
     "exit_0_inside_the_call": ("asserts", "import os\ndef f(a, b):\n    os._exit(0)"),
+    "patch_value_channel": ("asserts", _CHANNEL),
     "monkeypatch_json": ("asserts", "import json\njson.dumps = lambda *a, **k: '[[3], [12]]'\n"
                                     "json.loads = lambda *a, **k: [[3], [12]]\ndef f(a, b):\n    return 0"),
     "signal_the_parent": ("asserts", "import os, signal\nfor s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGSTOP):\n"
@@ -163,3 +175,12 @@ FORGERIES = {
     "stdio_write_result_to_inherited_fds": ("stdio", _WRITE_FDS),
     "stdio_exit_0_before_output": ("stdio", "import sys\nsys.exit(0)"),
 }
+
+# Scored 1.0 (every test) on main before issue 20 (the program ran next to its verdicts), through
+# both the fork server and the spawn path; the others scored 0 then too. Kept for the record, not
+# asserted: every entry above scores 0 now (test_forgery_scores_zero).
+WORKED_BEFORE = {"eq_overload", "bool_overload", "int_subclass_lying_eq", "str_subclass_lying_eq",
+                 "list_subclass_lying_eq", "mock_any", "del_raises_systemexit", "steal_expected_from_memory",
+                 "frames_rewrite_harness", "gc_rewrite_results", "write_result_to_inherited_fds",
+                 "patch_builtins_exec_eval", "print_expected_stdout_from_memory", "patch_stdout_comparison",
+                 "stdio_write_result_to_inherited_fds"}
