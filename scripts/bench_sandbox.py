@@ -1,7 +1,10 @@
 """Sandboxed code rewards per second vs bare `python -c` spawns, in the same run; and the pool's
 scaling with workers.
 
-    PYTHONPATH=. python scripts/bench_sandbox.py [--n 100] [--repeats 5] [--workers 1,2,4]
+    PYTHONPATH=. python scripts/bench_sandbox.py [--n 100] [--repeats 5] [--workers 1,2,4] [--compare OLD.py]
+
+--compare loads another version of sandbox.py (e.g. `git show main:hpcrl/rl/sandbox.py > /tmp/old.py`)
+and measures it in the same rounds (its own fork server), as `other_fork` and `other_spawn`.
 
 Prints one JSON object. Compare ratios, not absolute rates: they depend on the machine and on
 what else runs on it. Calls are measured one by one, each kind in turn (bare spawn, bare fork,
@@ -81,10 +84,32 @@ WORK = tempfile.mkdtemp(prefix="hpcrl-bench-")
 def served_no_namespaces() -> None:
     """The fork server's call with the isolation switched off (bench only: the worker runs as
     this user in WORK): what is left is the server round trip and the harness's processes."""
-    payload = {"code": CODE, "tests": TESTS, "nonce": "n0", "limits": asdict(sandbox.Limits()), "ns": False,
-               "drop": False, "unshare": False, "work": WORK, "prefix": sys.base_prefix}
+    steps = [sandbox._plan(t, {}).steps for t in TESTS]  # what run_tests sends: the calls, not the expected values
+    payload = {"code": CODE, "tests": steps, "nonce": "n0", "cap": sandbox._RESULT_CAP, "limits": asdict(sandbox.Limits()),
+               "ns": False, "drop": False, "unshare": False, "work": WORK, "prefix": sys.base_prefix}
     out, _ = sandbox._SERVER.run(payload, time.monotonic() + 5)
-    assert out.startswith(b"n0 11 ok"), out
+    assert out == b'n0 {"tests":[{"values":[3]},{"values":[4]}]}\n', out
+
+
+def _other(path: str) -> dict:
+    """Calls through another version of the module (stdlib only, so it loads from its file alone)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sandbox_other", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules["sandbox_other"] = other  # dataclasses look their module up there
+    spec.loader.exec_module(other)
+
+    def fork() -> None:
+        other.FORK_SERVER = True
+        assert other.run_tests(CODE, TESTS).score == 1.0
+
+    def spawn() -> None:
+        other.FORK_SERVER = False
+        assert other.run_tests(CODE, TESTS).score == 1.0
+
+    fork(), spawn()  # probe, start its server
+    return {"other_fork": fork, "other_spawn": spawn}
 
 
 def rate(fn, n: int, workers: int) -> float:
@@ -105,6 +130,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=100, help="calls of each kind per repeat")
     p.add_argument("--repeats", type=int, default=5, help="repeats; the median of their ratios is reported")
     p.add_argument("--workers", default="1,2,4", help="pool sizes to measure")
+    p.add_argument("--compare", help="another sandbox.py measured in the same rounds (e.g. main's)")
     ns = p.parse_args()
     level = sandbox.isolation()
     served = level == "namespaces"
@@ -116,6 +142,8 @@ def main() -> None:
              "sandbox_spawn": sandbox_spawn}
     if served:
         kinds["fork_no_namespaces"] = served_no_namespaces
+    if ns.compare:
+        kinds.update(_other(ns.compare))
     medians = {k: [] for k in kinds}
     for _ in range(ns.repeats):
         calls = {k: [] for k in kinds}
@@ -126,9 +154,9 @@ def main() -> None:
             medians[k].append(statistics.median(calls[k]) * 1000)
     out["median_call_ms"] = {k: round(statistics.median(v), 2) for k, v in medians.items()}
     ratio = lambda k, base: round(statistics.median(a / b for a, b in zip(medians[k], medians[base])), 3)
-    out["overhead_ratios"] = {k: [round(a / b, 3) for a, b in zip(medians[k], medians["bare_spawn"])]
-                              for k in ("sandbox_fork", "sandbox_spawn")}
-    out["overhead_vs_bare_spawn"] = {k: ratio(k, "bare_spawn") for k in ("sandbox_fork", "sandbox_spawn", "bare_fork")}
+    shown = [k for k in ("sandbox_fork", "sandbox_spawn", "other_fork", "other_spawn") if k in kinds]
+    out["overhead_ratios"] = {k: [round(a / b, 3) for a, b in zip(medians[k], medians["bare_spawn"])] for k in shown}
+    out["overhead_vs_bare_spawn"] = {k: ratio(k, "bare_spawn") for k in shown + ["bare_fork"]}
     out["sandbox_fork_vs_bare_fork"] = ratio("sandbox_fork", "bare_fork")
     if served:
         m = out["median_call_ms"]

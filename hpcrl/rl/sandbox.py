@@ -15,7 +15,7 @@ itself and forks: the child is pid 1 of them (util-linux's `unshare --fork --kil
 mounts over /tmp, /var/tmp and /dev/shm, then forks a worker that switches to uid/gid `nobody`
 (when the trainer runs as root), sets rlimits (CPU s, address space, file size, open files,
 processes, no core), moves into a fresh directory that is its cwd, HOME and TMPDIR, clears the
-environment, and runs the code and the tests. The result comes back on the harness's own pipe.
+environment, and runs the code and the tests' calls. Their values come back on the harness's own pipe.
 
 Isolation levels (`isolation()` finds the best this host allows, once per process):
 - namespaces (root): all of the above. No network (a new network namespace has only a downed
@@ -29,18 +29,24 @@ Isolation levels (`isolation()` finds the best this host allows, once per proces
   is reachable, the program can signal your processes and write your files: run it in a
   container or as root for real isolation.
 
-Reward hacking: the program runs in the harness's interpreter, so a program that inspects the
-interpreter could forge its own result line. Stdin/stdout tests compare what it printed, which
-is harder to fake than an assert it could monkeypatch; nothing here defends the reward from a
-policy that attacks the harness itself.
+Reward hacking: the sandbox never says whether a test passed. The trainer splits each assert test
+into the call (sent to the sandbox) and the expected value and comparison (kept here: _plan), the
+worker sends back the calls' values as JSON data and stdin/stdout tests' printed text, and _judge
+compares them here after decode() made them plain built-in values. The program may do anything to
+its interpreter, the harness or its pipe: it only ever holds calls and inputs, never an expected
+value, so what it can send is claims of values, and a claim scores only if it is the answer. Tests
+that cannot be split run whole inside and are counted (Result.inside). docs/adapt.md states the
+guarantee; tests/rl/forgeries.py is the table of forgeries it stops.
 """
 
 from __future__ import annotations
 
 import array
+import ast
 import functools
 import json
 import marshal
+import operator
 import os
 import re
 import secrets
@@ -60,7 +66,7 @@ from dataclasses import asdict, dataclass, field
 NOBODY = 65534
 _FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.S | re.I)
 MAX_CODE_CHARS = 100_000     # longer answers are not compiled in the trainer
-_RESULT_CAP = 1 << 16  # bytes of result the trainer reads from one sample, at most
+_RESULT_CAP = 1 << 23  # bytes of values and outputs the trainer reads from one sample, at most
 NS_FLAGS = ["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
 USERNS_FLAGS = ["--user", "--map-root-user", *NS_FLAGS]
 # With namespaces (root), samples fork from one pre-started server instead of exec'ing an
@@ -85,10 +91,11 @@ class Result:
     score: float                # fraction of tests passed (plus format score, see score_code)
     passed: int
     total: int
-    reason: str                 # ok | wrong_answer | error | syntax_error | timeout | crash | output_limit | no_code | no_tests
+    reason: str                 # ok | wrong_answer | not_data | error | syntax_error | timeout | crash | output_limit | no_code | no_tests
     seconds: float = 0.0
     detail: str = ""            # first failure's message, short
     per_test: list = field(default_factory=list)
+    inside: int = 0             # tests whose verdict came from the program's side (not split: see docs/adapt.md)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -168,10 +175,12 @@ def _harness_blob(python: str) -> bytes:
 
 def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | None = None,
               python: str = sys.executable) -> Result:
-    """Run `code` against `tests` (assert strings and/or {"input", "output"} pairs) in a sandbox."""
+    """Run `code` against `tests` (assert strings and/or {"input", "output"} pairs) in a sandbox;
+    the verdicts are reached here, from the values and outputs it sends back (see _judge)."""
     t0 = time.monotonic()
     if not tests:
         return Result(0.0, 0, 0, "no_tests")
+    tests = [_norm_test(t) for t in tests]
     if not code.strip():
         return Result(0.0, 0, len(tests), "no_code")
     if len(code) > MAX_CODE_CHARS:
@@ -181,34 +190,51 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
         return Result(0.0, 0, len(tests), "syntax_error", time.monotonic() - t0, f"{type(e).__name__}: {e}"[:200])
     level = level or isolation(python)
-    return _run(code, tests, limits, level, python, t0, FORK_SERVER)
+    pending = _pending(tests)
+    clean = _clean_values(pending, limits, level, python) if pending else {}
+    plans = [_plan(t, clean) if isinstance(t, str) else None for t in tests]
+    sent = [p.steps if p is not None else {"input": t["input"]} for t, p in zip(tests, plans)]
+    out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, FORK_SERVER)
+    return _judge(out, marker, tests, plans, timed_out, time.monotonic() - t0)
 
 
 def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: float, server: bool) -> Result:
+    """run_tests through one given path (isolation's probe: no fork server, a fixed level)."""
+    tests = [_norm_test(t) for t in tests]
+    plans = [_plan(t, {}) if isinstance(t, str) else None for t in tests]
+    sent = [p.steps if p is not None else {"input": t["input"]} for t, p in zip(tests, plans)]
+    out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, server)
+    return _judge(out, marker, tests, plans, timed_out, time.monotonic() - t0)
+
+
+def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python: str, t0: float,
+                      server: bool) -> tuple[bytes, str, bool]:
+    """(what the sandbox wrote, its marker, timed out): `sent` is what the program's side may see
+    of the tests (steps to run, stdin), never an expected value or output."""
     marker = secrets.token_hex(8)
     work = None if level != "plain" else tempfile.mkdtemp(prefix="hpcrl-sandbox-")
-    payload = {"code": code, "tests": [_norm_test(t) for t in tests], "nonce": marker,
+    payload = {"code": code, "tests": sent, "nonce": marker, "cap": _RESULT_CAP,
                "limits": asdict(limits), "ns": level != "plain", "drop": level == "namespaces", "unshare": level == "namespaces",
                "work": work, "prefix": sys.base_prefix}
     if server and level == "namespaces" and os.path.realpath(python) == os.path.realpath(sys.executable):
         res = _SERVER.run(payload, t0 + limits.timeout_s)
         if res is not None:
-            return _parse(res[0], marker, len(tests), res[1], time.monotonic() - t0)
+            return res[0], marker, res[1]
         # the server could not be (re)started or died with the sample: this one execs instead
     env = {"HPCRL_SANDBOX": marker}  # nothing of the trainer's; the marker finds stragglers (plain)
     try:
         proc = subprocess.Popen(_argv(level, python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env=env, close_fds=True, start_new_session=True,
                                 cwd=work or "/")
-    except OSError as e:
-        return Result(0.0, 0, len(tests), "crash", detail=f"cannot start the sandbox: {e}")
+    except OSError:
+        return b"", marker, False  # no result line: scored a crash
     try:
         out, timed_out = _exchange(proc, _harness_blob(python) + marshal.dumps(payload), t0 + limits.timeout_s)
     finally:
         _kill_all(proc, marker if level == "plain" else None)
         if work:
             shutil.rmtree(work, ignore_errors=True)
-    return _parse(out, marker, len(tests), timed_out, time.monotonic() - t0)
+    return out, marker, timed_out
 
 
 def _norm_test(test):
@@ -404,19 +430,300 @@ def _sweep(marker: str) -> int:
     return killed
 
 
-def _parse(out: bytes, marker: str, total: int, timed_out: bool, seconds: float) -> Result:
-    if timed_out:
-        return Result(0.0, 0, total, "timeout", seconds)
-    # the line is `MARKER BITS REASON DETAIL` (BITS: one 1/0 per test), parsed as text only: the
-    # program may have written it, and nothing it writes is decoded by anything richer
-    for line in out.decode("utf-8", "replace").splitlines():
-        parts = line.split(" ", 3)
-        if len(parts) >= 3 and parts[0] == marker and set(parts[1]) <= {"0", "1", "-"}:
-            per_test = [b == "1" for b in parts[1].strip("-")][:total]
-            passed = sum(per_test)
-            return Result(passed / total, passed, total, "ok" if passed == total else parts[2][:40],
-                          seconds, (parts[3] if len(parts) > 3 else "")[:200], per_test)
-    return Result(0.0, 0, total, "crash", seconds)
+def _doc(out: bytes, marker: str):
+    """The sandbox's JSON document after its marker, or a reason string (timeout, crash, output_limit)."""
+    for line in out.split(b"\n"):
+        head, _, body = line.partition(b" ")
+        if head != marker.encode():
+            continue
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError, MemoryError):
+            return "output_limit" if len(out) >= _RESULT_CAP else "crash"
+        if isinstance(doc, dict) and "died" in doc:  # the harness saw the worker die of a signal
+            return "timeout" if doc["died"] in (9, 24) else "crash"  # SIGKILL/SIGXCPU: the CPU limit
+        return doc if isinstance(doc, dict) and isinstance(doc.get("tests"), list) else "crash"
+    return "crash"
+
+
+def _judge(out: bytes, marker: str, tests: list, plans: list, timed_out: bool, seconds: float) -> Result:
+    """The Result, from the values the sandbox sent (or its silence). Everything in `out` came
+    from the program's side and is only data: values and outputs, compared here."""
+    total = len(tests)
+    inside = sum(1 for p in plans if p is not None and p.inside)
+    doc = "timeout" if timed_out else _doc(out, marker)
+    if isinstance(doc, str) or len(doc["tests"]) != total:
+        return Result(0.0, 0, total, doc if isinstance(doc, str) else "crash", seconds, inside=inside)
+    per_test, reason, detail = [], "ok", ""
+    for test, plan, entry in zip(tests, plans, doc["tests"]):
+        ok, why, what = _judge_one(test, plan, entry)
+        per_test.append(ok)
+        if not ok and reason == "ok":
+            reason, detail = why, what
+    passed = sum(per_test)
+    return Result(passed / total, passed, total, reason, seconds, detail[:200], per_test, inside)
+
+
+def _judge_one(test, plan, entry) -> tuple[bool, str, str]:
+    if not isinstance(entry, dict):
+        return False, "crash", ""
+    error = entry.get("error")
+    if error is not None:  # the program raised (or says so: it can only lose by it)
+        kind, what = (list(error) + ["", ""])[:2] if isinstance(error, list) else ("error", "")
+        return False, kind if kind in ("error", "wrong_answer", "output_limit", "not_data") else "error", str(what)
+    if plan is None:  # stdin/stdout: only the output crossed back
+        got = entry.get("stdout")
+        if not isinstance(got, str):
+            return False, "crash", ""
+        return (True, "", "") if _same(got, test["output"]) else (False, "wrong_answer", "stdout differs")
+    values = entry.get("values")
+    if not isinstance(values, list) or len(values) != len(plan.checks):
+        return False, "crash", ""
+    for check, raw in zip(plan.checks, values):
+        ok, why = _check(check, raw)
+        if not ok:
+            return False, why, "a value is not data" if why == "not_data" else "a value differs from the expected one"
+    return True, "", ""
+
+
+def _same(got: str, want: str) -> bool:
+    norm = lambda s: [line.rstrip() for line in s.strip().splitlines()]
+    return norm(got) == norm(want)
+
+
+def evaluate(code: str, exprs: list, limits: Limits = Limits(), level: str | None = None,
+             python: str = sys.executable) -> list:
+    """[(True, value) | (False, "why"), ...]: each expression evaluated in the sandbox after
+    `code`, its value sent back as data and decoded here into plain built-in values."""
+    level = level or isolation(python)
+    out, marker, timed_out = _exchange_payload(code, [[["eval", e]] for e in exprs], limits, level, python,
+                                               time.monotonic(), FORK_SERVER)
+    doc = "timeout" if timed_out else _doc(out, marker)
+    if isinstance(doc, str) or len(doc["tests"]) != len(exprs):
+        return [(False, doc if isinstance(doc, str) else "crash")] * len(exprs)
+    results = []
+    for entry in doc["tests"]:
+        try:
+            error = entry.get("error")
+            if error is not None:
+                results.append((False, str(error[-1] if isinstance(error, list) and error else error)[:200]))
+            else:
+                results.append((True, decode(entry["values"][0])))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, UnicodeError):
+            results.append((False, "not_data"))
+    return results
+
+
+# ------------------------------------------------------------------ the trusted side's judgment
+#
+# The program's process is never asked whether a test passed: it is asked for values. An assert
+# test is split here, in the trainer, into what the sandbox evaluates (the call side of each
+# comparison, and any statements around it) and what stays here (the expected side, the operator).
+# The sandbox sends back each call's value as JSON data; this process decodes it into plain
+# built-in values and compares. The program never sees an expected value or output, so whatever it
+# does to its interpreter, its pipe or the harness, all it can do is claim values, and a claimed
+# value scores only if it is the right answer.
+
+_OPS = {ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne), ast.Lt: ("<", operator.lt),
+        ast.LtE: ("<=", operator.le), ast.Gt: (">", operator.gt), ast.GtE: (">=", operator.ge),
+        ast.In: ("in", lambda a, b: a in b), ast.NotIn: ("not in", lambda a, b: a not in b),
+        ast.Is: ("is", operator.is_), ast.IsNot: ("is not", operator.is_not)}
+_OP_BY_NAME = {name: fn for name, fn in _OPS.values()}
+_OP_BY_NAME.update({"truth": None, "not": None})
+_SINGLETONS = (None, True, False)  # the only expected values `is` compares by identity across processes
+_MAX_DEPTH = 100                   # nesting of a value (both sides agree on it)
+
+
+@dataclass(frozen=True)
+class _Check:
+    op: str            # a name of _OP_BY_NAME
+    call_left: bool    # the sandbox's value is the left operand (else the right)
+    expected: object   # the trusted operand, or the source of an expression a clean sandbox evaluates
+    pending: bool = False  # expected is still source (not a literal)
+    source: str = ""   # the whole assert, run in the sandbox if the expected side cannot be had
+    leaky: bool = False    # the call side computes with operators inside (see _leaky)
+
+
+def _literal(node):
+    """(True, value) for a literal (ast.literal_eval: no names, calls or attributes), else (False, None)."""
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def _leaky(call) -> bool:
+    """True if the call side computes with operators in the program's process: `abs(f(x) - 3.14)`,
+    `f(x) == 3 or f(x) == 4` carry the expected value in the text the program evaluates, and its
+    objects' operators can return what passes. Still judged here, but counted as forgeable."""
+    for n in ast.walk(call):
+        if isinstance(n, (ast.Compare, ast.BoolOp, ast.IfExp, ast.BinOp)):
+            return True
+        if isinstance(n, ast.UnaryOp) and not _literal(n)[0]:
+            return True
+    return False
+
+
+def _split_assert(node: ast.Assert, src: str):
+    """A _Check for `assert CALL op EXPECTED`, `assert CALL`, `assert not CALL`; None if unsplittable.
+    Returns (check, call source)."""
+    seg = lambda n: ast.get_source_segment(src, n) or ast.unparse(n)
+    whole = seg(node)
+    test = node.test
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPS:
+        name = _OPS[type(test.ops[0])][0]
+        left, right = test.left, test.comparators[0]
+        for call, other, call_left in ((left, right, True), (right, left, False)):
+            ok, value = _literal(other)
+            if ok:
+                if name in ("is", "is not") and not any(value is s for s in _SINGLETONS):
+                    return None
+                return _Check(name, call_left, value, source=whole, leaky=_leaky(call)), seg(call)
+        if name in ("is", "is not"):
+            return None
+        # neither side is a literal: the right is the expected (a clean sandbox evaluates it)
+        return _Check(name, True, seg(right), pending=True, source=whole, leaky=_leaky(left)), seg(left)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return _Check("not", True, None, source=whole, leaky=_leaky(test.operand)), seg(test.operand)
+    if isinstance(test, ast.Compare):
+        return None  # chained comparisons
+    return _Check("truth", True, None, source=whole, leaky=_leaky(test)), seg(test)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_test(test: str) -> tuple:
+    """An assert test as ((kind, ...), ...): ("run", src) for statements the sandbox runs and
+    whose verdict it would give (setup, loops, unsplittable asserts), ("check", _Check, call_src)
+    for a comparison judged here. Test data, not the program: parsing runs nothing."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return (("run", test),)
+    items = []
+    for node in tree.body:
+        split = _split_assert(node, test) if isinstance(node, ast.Assert) else None
+        if split is None:
+            items.append(("run", ast.get_source_segment(test, node) or ast.unparse(node)))
+        else:
+            items.append(("check", *split))
+    return tuple(items)
+
+
+def _judged_inside(src: str) -> bool:
+    try:
+        return any(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(src)))
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return True
+
+
+@dataclass
+class _Plan:
+    steps: list        # what the sandbox runs for the test: [["exec" | "eval", src], ...]
+    checks: list       # one _Check per "eval" step, in order
+    inside: bool       # some verdict of this test comes from the sandbox (it could be forged)
+
+
+def _plan(test: str, clean: dict) -> _Plan:
+    """The test's steps and checks; `clean` maps expected-side sources to a clean sandbox's
+    (ok, value). An expected side without a value there makes its assert run whole inside."""
+    steps, checks, inside = [], [], False
+    for item in _parse_test(test):
+        if item[0] == "run":
+            steps.append(["exec", item[1]])
+            inside = inside or _judged_inside(item[1])
+            continue
+        _, check, call = item
+        if check.pending:
+            ok, value = clean.get(check.expected, (False, None))
+            if not ok:
+                steps.append(["exec", check.source])
+                inside = True
+                continue
+            check = _Check(check.op, check.call_left, value, leaky=check.leaky)
+        steps.append(["eval", call])
+        checks.append(check)
+        inside = inside or check.leaky
+    return _Plan(steps, checks, inside or not checks)
+
+
+def _pending(tests: list) -> list:
+    return [item[1].expected for t in tests if isinstance(t, str)
+            for item in _parse_test(t) if item[0] == "check" and item[1].pending]
+
+
+_CLEAN: dict = {}   # expected-side source -> (ok, value) from a sandbox that ran no program
+_CLEAN_MAX = 4096
+
+
+def _clean_values(exprs: list, limits: Limits, level: str, python: str) -> dict:
+    """The values of expected-side expressions, each evaluated once in a sandbox without any
+    program (test data only: nothing a policy wrote runs there), remembered for later samples."""
+    todo = sorted({e for e in exprs if e not in _CLEAN})
+    if todo:
+        got = evaluate("", todo, limits, level, python)
+        if len(_CLEAN) + len(todo) > _CLEAN_MAX:
+            _CLEAN.clear()
+        for expr, res in zip(todo, got):
+            _CLEAN[expr] = res
+    return {e: _CLEAN.get(e, (False, None)) for e in exprs}
+
+
+def decode(value, depth: int = 0):
+    """Plain built-in values from the sandbox's JSON (tagged: {"t": [...]} tuple, {"s": [...]}
+    set, {"d": [[k, v], ...]} dict, {"b": "latin-1"} bytes, {"c": [re, im]} complex, {"x": hex} a
+    long int);
+    ValueError for anything else. What it returns is made here, of built-in types only, so no
+    comparison with it runs code the program chose."""
+    if depth > _MAX_DEPTH:
+        raise ValueError("nested too deep")
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is list:
+        return [decode(v, depth + 1) for v in value]
+    if kind is dict and len(value) == 1:
+        (tag, body), = value.items()
+        if tag == "t" and type(body) is list:
+            return tuple(decode(v, depth + 1) for v in body)
+        if tag == "s" and type(body) is list:
+            return frozenset(_hashable(decode(v, depth + 1) for v in body))
+        if tag == "d" and type(body) is list and all(type(kv) is list and len(kv) == 2 for kv in body):
+            keys = _hashable(decode(kv[0], depth + 1) for kv in body)
+            return dict(zip(keys, (decode(kv[1], depth + 1) for kv in body)))
+        if tag == "x" and type(body) is str and len(body) <= _RESULT_CAP:  # an int too long for decimal JSON
+            return int(body, 16)
+        if tag == "b" and type(body) is str:
+            return body.encode("latin-1")
+        if tag == "c" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
+            return complex(*body)
+    raise ValueError("not data")
+
+
+def _hashable(items) -> list:
+    """Set elements or dict keys, refused (ValueError) when many share a hash: int and tuple hashes
+    are not randomised, so a program could send 100k colliding keys and make building the set
+    here quadratic."""
+    items = list(items)
+    if len(items) - len({hash(x) for x in items}) > 64:  # TypeError for an unhashable one
+        raise ValueError("colliding hashes")
+    return items
+
+
+def _check(check: _Check, raw) -> tuple[bool, str]:
+    """(passed, reason if not) of one comparison, made here on decoded values."""
+    try:
+        value = decode(raw)
+    except (ValueError, TypeError, UnicodeError, RecursionError):
+        return False, "not_data"
+    try:
+        if check.op == "truth":
+            return bool(value), "wrong_answer"
+        if check.op == "not":
+            return not value, "wrong_answer"
+        left, right = (value, check.expected) if check.call_left else (check.expected, value)
+        return bool(_OP_BY_NAME[check.op](left, right)), "wrong_answer"
+    except (TypeError, ValueError, RecursionError):  # e.g. `<` between a str and an int
+        return False, "wrong_answer"
 
 
 # ------------------------------------------------------------------ batches
@@ -456,6 +763,7 @@ def main(src=None, out=None):
     nul = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(nul, fd)
+    os.close(nul)  # the worker holds 0-2 (/dev/null) and its result pipe, nothing else
     lim = p["limits"]
     if p["unshare"]:
         enter_namespaces(out)
@@ -471,15 +779,19 @@ def main(src=None, out=None):
         finally:
             os._exit(0)
     os.close(w)
-    data, chunk = b"", b"x"
-    while chunk and len(data) < 65536:
-        chunk = os.read(r, 65536)
-        data += chunk
+    chunks, size, chunk = [], 0, b"x"
+    while chunk and size < p["cap"]:
+        chunk = os.read(r, 1 << 16)
+        chunks.append(chunk)
+        size += len(chunk)
+    data = b"".join(chunks)[:p["cap"]]
     _, status = os.waitpid(pid, 0)
-    if not data and os.WIFSIGNALED(status):  # CPU limit (SIGXCPU, then SIGKILL) is a timeout
-        sig = os.WTERMSIG(status)
-        data = ("- %s signal %d" % ("timeout" if sig in (9, 24) else "crash", sig)).encode()
-    os.write(out, p["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n")
+    if not data and os.WIFSIGNALED(status):  # the trainer scores it: CPU limit (SIGXCPU, SIGKILL) a timeout
+        data = b'{"died": %d}' % os.WTERMSIG(status)
+    # one line (the worker's JSON has no raw newline): the program's claims of values, nothing more
+    data = p["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n"
+    while data:
+        data = data[os.write(out, data):]
     os._exit(0)  # everything went out through os.write: skip ~2 ms of interpreter teardown
 
 def isdir(d):
@@ -583,65 +895,136 @@ def worker(p, lim, w):
             if self.tell() + len(s) > cap:
                 raise Full("output limit")
             return super().write(s)
+    # What goes back is values and outputs, never verdicts: nothing here knows an expected value
+    # (the trainer kept them), so nothing the program does to this process can pass a test.
     code, tests = p["code"], p["tests"]
-    del p["nonce"]
-    res = {"per_test": [], "reason": "ok", "detail": ""}
-    def fail(reason, e):
-        if res["reason"] == "ok":
-            res["reason"], res["detail"] = reason, (type(e).__name__ + ": " + str(e))[:200]
+    p.clear()
+    def err(kind, e):
+        try:
+            return [kind, (type(e).__name__ + ": " + str(e))[:200]]
+        except BaseException:
+            return [kind, "?"]
+    failed = None
     try:
         prog = compile(code, "solution.py", "exec")
     except BaseException as e:
-        fail("syntax_error", e)
-        prog = None
-    asserts = [t for t in tests if isinstance(t, str)]
+        failed, prog = err("error", e), None
     ns = None
-    if prog is not None and asserts:
+    if prog is not None and any(isinstance(t, list) for t in tests):
         ns = {"__name__": "solution"}
         sys.stdout = sys.stderr = Capped()
         try:
             exec(prog, ns)
         except Full as e:
-            fail("output_limit", e); ns = None
+            failed = err("output_limit", e)
         except BaseException as e:
-            fail("error", e); ns = None
+            failed = err("error", e)
+    entries = []
     for t in tests:
-        ok = False
-        if prog is not None and isinstance(t, str) and ns is not None:
-            sys.stdout = sys.stderr = Capped()
-            try:
-                exec(t, ns)
-                ok = True
-            except AssertionError as e:
-                fail("wrong_answer", e)
-            except Full as e:
-                fail("output_limit", e)
-            except BaseException as e:
-                fail("error", e)
-        elif prog is not None and not isinstance(t, str):
-            sys.stdin, sys.stdout = io.StringIO(t["input"]), Capped()
-            sys.stderr = Capped()
+        entry = {}
+        if isinstance(t, list):
+            entry["values"] = values = []
+            if failed is not None:
+                entry["error"] = failed
+            else:
+                sys.stdout = sys.stderr = Capped()
+                try:
+                    for kind, src in t:
+                        if kind == "exec":
+                            exec(src, ns)
+                        else:
+                            values.append(data(eval(src, ns)))
+                except Full as e:
+                    entry["error"] = err("output_limit", e)
+                except NotData as e:
+                    entry["error"] = err("not_data", e)
+                except AssertionError as e:  # an assert the trainer could not split, or a setup one
+                    entry["error"] = err("wrong_answer", e)
+                except BaseException as e:
+                    entry["error"] = err("error", e)
+        elif prog is None:
+            entry["error"] = failed
+        else:
+            out = Capped()
+            sys.stdin, sys.stdout, sys.stderr = io.StringIO(t["input"]), out, Capped()
             try:
                 exec(prog, {"__name__": "__main__"})
-                ok = _same(sys.stdout.getvalue(), t["output"])
-                if not ok:
-                    fail("wrong_answer", AssertionError("stdout differs"))
             except SystemExit as e:
-                ok = e.code in (None, 0) and _same(sys.stdout.getvalue(), t["output"])
-                if not ok:
-                    fail("wrong_answer" if e.code in (None, 0) else "error", e)
+                if e.code not in (None, 0):
+                    entry["error"] = err("error", e)
             except Full as e:
-                fail("output_limit", e)
+                entry["error"] = err("output_limit", e)
             except BaseException as e:
-                fail("error", e)
-        res["per_test"].append(ok)
-    bits = "".join("1" if ok else "0" for ok in res["per_test"]) or "-"
-    detail = res["detail"].replace("\n", " ").replace("\r", " ")
-    os.write(w, ("%s %s %s\n" % (bits, res["reason"], detail)).encode("utf-8", "replace"))
+                entry["error"] = err("error", e)
+            entry["stdout"] = io.StringIO.getvalue(out)
+        entries.append(entry)
+    try:
+        blob = document(entries).encode()
+    except BaseException:  # e.g. the program replaced what document() uses: the trainer scores a crash
+        blob = b""
+    while blob:
+        blob = blob[os.write(w, blob):]
 
-def _same(got, want):
-    norm = lambda s: [line.rstrip() for line in s.strip().splitlines()]
-    return norm(got) == norm(want)
+class NotData(Exception):
+    pass
+
+def data(v, depth=0):
+    """A test's value as JSON text (see decode() on the trainer's side), written here rather than
+    by the json package, whose import (it loads re) costs a spawned sample more than the rest of
+    the harness. Built-in types only; a subclass goes as its built-in content, read through the
+    base type so overridden methods do not run: an int subclass whose __eq__ lies is sent as the
+    int it holds."""
+    if depth > 100:
+        raise NotData("nested deeper than 100")
+    d = depth + 1
+    if v is None:
+        return "null"
+    if v is True or v is False:
+        return "true" if v else "false"
+    if isinstance(v, int):
+        v = int.__index__(v)
+        # decimal ints are limited to 4300 digits (int_max_str_digits); hex is exempt
+        return str(v) if -(1 << 10000) < v < (1 << 10000) else '{"x":"%s"}' % hex(v)
+    if isinstance(v, float):
+        return _float(float.__float__(v))
+    if isinstance(v, str):
+        return quote(str.__str__(v))
+    if isinstance(v, list):
+        return "[" + ",".join([data(x, d) for x in list.__iter__(v)]) + "]"
+    if isinstance(v, tuple):
+        return '{"t":[' + ",".join([data(x, d) for x in tuple.__iter__(v)]) + "]}"
+    if isinstance(v, dict):
+        return '{"d":[' + ",".join(["[%s,%s]" % (data(k, d), data(x, d)) for k, x in dict.items(v)]) + "]}"
+    if isinstance(v, (set, frozenset)):
+        items = set.__iter__(v) if isinstance(v, set) else frozenset.__iter__(v)
+        return '{"s":[' + ",".join([data(x, d) for x in items]) + "]}"
+    if isinstance(v, (bytes, bytearray)):
+        return '{"b":%s}' % quote(bytes(memoryview(v)).decode("latin-1"))
+    if isinstance(v, complex):
+        return '{"c":[%s,%s]}' % (_float(complex.real.__get__(v)), _float(complex.imag.__get__(v)))
+    raise NotData("a test's value must be data (None, bool, int, float, str, bytes, list, tuple, dict, set), not " + type(v).__name__[:60])
+
+def _float(f):
+    r = float.__repr__(f)
+    return {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}.get(r, r)
+
+def quote(s):
+    import _json  # C, no imports of its own
+    return _json.encode_basestring_ascii(s)
+
+def document(entries):
+    """The worker's one line: {"tests": [{"values": [...], "error": [kind, text], "stdout": text}]}."""
+    out = []
+    for e in entries:
+        parts = []
+        if "values" in e:
+            parts.append('"values":[' + ",".join(e["values"]) + "]")
+        if "error" in e:
+            parts.append('"error":[%s,%s]' % (quote(e["error"][0]), quote(e["error"][1])))
+        if "stdout" in e:
+            parts.append('"stdout":' + quote(e["stdout"]))
+        out.append("{" + ",".join(parts) + "}")
+    return '{"tests":[' + ",".join(out) + "]}"
 
 if __name__ == "__main__":
     main()
@@ -649,7 +1032,7 @@ if __name__ == "__main__":
 
 # The fork server's loop, exec'd in the harness's globals (so main() and libc() are its own).
 SERVER = r'''
-import socket, select, signal, struct, time, io, resource  # the samples' imports, done once
+import socket, select, signal, struct, time, io, resource, _json  # the samples' imports, done once
 
 def serve(fd):
     # No PDEATHSIG here: it fires when the *thread* that started the server exits (a run_batch

@@ -1,5 +1,6 @@
 """The code sandbox against hostile programs: each scores 0 within a bounded time, the test process
-(standing in for the trainer) keeps running, and nothing the program did outlives the sample.
+(standing in for the trainer) keeps running, and nothing the program did outlives the sample; and
+against forgeries (tests/rl/forgeries.py): no program scores without computing the answer.
 Every test runs twice where the host has namespaces: samples forked by the fork server, and
 samples spawned one interpreter each (the fallback)."""
 
@@ -16,6 +17,7 @@ import pytest
 
 from hpcrl.rl import rewards, sandbox
 from helpers import wait_until
+from forgeries import ASSERTS, FORGERIES, HONEST, STDIO
 
 LEVEL = sandbox.isolation()
 ISOLATED = LEVEL in ("namespaces", "userns")
@@ -317,3 +319,123 @@ def test_a_forked_trainer_starts_its_own_fork_server(mode):
         os._exit(0 if ok else 1)
     assert os.waitpid(child, 0)[1] == 0
     assert _alive(pid) and _score("def f(): return 1").score == 1.0 and sandbox._SERVER.proc.pid == pid
+
+
+# ------------------------------------------------------------------ forgeries: the trainer judges
+
+def test_honest_programs_score_one():
+    assert _score(HONEST["asserts"], ASSERTS).score == 1.0
+    assert _score(HONEST["stdio"], STDIO).score == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_forgery_scores_zero(name):
+    kind, code = FORGERIES[name]
+    res = _score(code, ASSERTS if kind == "asserts" else STDIO)
+    assert (res.score, res.passed) == (0.0, 0), res
+    assert res.inside == 0  # every verdict was reached in this process
+
+
+def test_program_holds_no_descriptor_of_the_trainer_and_cannot_import_the_harness(monkeypatch):
+    # every pipe this process makes during the call (the fork server's, or Popen's), by inode
+    mine, pipe = set(), os.pipe
+    def spy():
+        r, w = pipe()
+        mine.add(os.fstat(r).st_ino)
+        return r, w
+    monkeypatch.setattr(os, "pipe", spy)
+    code = ("import os\n"
+            "def fds():\n"
+            "    out = {}\n"
+            "    for fd in os.listdir('/proc/self/fd'):\n"
+            "        try:\n"
+            "            out[int(fd)] = os.readlink('/proc/self/fd/' + fd)\n"
+            "        except OSError:\n"
+            "            pass  # the listing's own descriptor, closed by now\n"
+            "    return out\n")
+    (ok, fds), (ok2, spec) = sandbox.evaluate(code, ["fds()", "__import__('importlib.util').util.find_spec('hpcrl')"],
+                                              FAST)
+    assert ok and ok2 and spec is None, (fds, spec)
+    assert mine, "the call made no pipe: the spy saw nothing"
+    assert [fds[fd] for fd in (0, 1, 2)] == ["/dev/null"] * 3, fds
+    rest = [fds[fd] for fd in fds if fd > 2]
+    # one pipe, its result channel, whose other end the sandbox's own pid 1 holds
+    assert len(rest) == 1 and rest[0].startswith("pipe:["), fds
+    assert int(rest[0][6:-1]) not in mine, (fds, mine)
+
+
+def test_asserts_are_split_and_judged_here():
+    code = "def f(a, b):\n    return a + b\ndef g():\n    return {1: (2, b'x')}, {3}, [None, 1.5]"
+    tests = ["assert f(1, 2) == 3",                     # literal expected
+             "assert 3 == f(1, 2)",                     # literal on the left
+             "x = f(2, 2)\nassert x == 4, 'msg'",       # setup statements run in the sandbox
+             "assert f(1, 1) == sorted([2, 1])[-1]",    # expected evaluated in a sandbox without the program
+             "assert g() == ({1: (2, b'x')}, {3}, [None, 1.5])",
+             "assert f(-1, 2)",                         # a bare truth value
+             "assert not f(0, 0)",
+             "assert f(0, 0) is not None",
+             "assert f(1, 2) < 4"]
+    res = _score(code, tests)
+    assert (res.score, res.inside) == (1.0, 0), res
+    wrong = ["assert f(1, 2) == 4", "assert (f(1, 2),) == [3]",  # a tuple is not a list, here as in Python
+             "assert f(1, 1) == sorted([3, 1])[-1]", "assert f(1, 2) is None", "assert f(1, 2) > 4"]
+    res = _score(code, wrong)
+    assert (res.passed, res.reason, res.inside) == (0, "wrong_answer", 0), res
+
+
+def test_unsplittable_asserts_run_inside_and_are_counted():
+    code = "def f(a, b):\n    return a + b"
+    tests = ["assert f(1, 2) == f(2, 1)",         # the expected side calls the program
+             "for i in range(3):\n    assert f(i, 0) == i",
+             "f(1, 2)",                            # no assert: passes if it does not raise
+             "assert 0 < f(1, 2) < 4",             # chained
+             # split, but the call side computes with the expected value in the program's process
+             "assert abs(f(1, 2) - 3.0) < 1e-9", "assert f(1, 2) == 3 or f(1, 2) == 4"]
+    res = _score(code, tests)
+    assert (res.score, res.inside) == (1.0, 6), res
+    assert _score("def f(a, b):\n    return 0", tests).per_test == [True, False, True, False, False, False]
+    # what the count is for: a lying operator passes such a test
+    liar = "class A:\n    __sub__ = __eq__ = lambda s, o: 0 if isinstance(o, float) else True\n    __abs__ = lambda s: 0\ndef f(a, b):\n    return A()"
+    assert _score(liar, tests[-2:]).score == 1.0
+
+
+def test_values_that_are_not_data_score_zero_with_their_reason():
+    for value in ("object()", "iter([3])", "lambda: 3", "type('X', (), {})()"):
+        res = _score(f"def f(a, b):\n    return {value}", ["assert f(1, 2) == 3", "assert f(1, 2)"])
+        assert (res.score, res.reason) == (0.0, "not_data"), (value, res)
+    # subclasses go as the built-in value they hold: an honest one passes, a lying one is judged on its value
+    res = _score("import collections\ndef f(a, b):\n    return collections.Counter('aab')", ["assert f(1, 2) == {'a': 2, 'b': 1}"])
+    assert res.score == 1.0, res
+    # an int longer than JSON's decimal ints may be (4300 digits) crosses as hex
+    res = _score("def f(a, b):\n    return 7 ** 9000", ["assert f(1, 2) == 7 ** 9000", "assert f(1, 2) == 7 ** 9000 + 1"])
+    assert res.per_test == [True, False], res
+
+
+def test_decode_takes_plain_data_only():
+    assert sandbox.decode({"t": [1, {"s": ["a"]}, {"d": [[{"t": [1]}, None]]}, {"b": "\xff"}]}) == \
+        (1, frozenset({"a"}), {(1,): None}, b"\xff")
+    for bad in ({"x": 1}, {"t": 1}, {"d": [[1]]}, {"t": [], "s": []}, {"d": [[[1], 2]]}):
+        with pytest.raises((ValueError, TypeError)):
+            sandbox.decode(bad)
+    # int hashes are not randomised: a set of colliding keys would make decoding quadratic
+    mod = (1 << 61) - 1
+    with pytest.raises(ValueError):
+        sandbox.decode({"s": [i * mod for i in range(1, 1000)]})
+    deep = [0]
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(ValueError):
+        sandbox.decode(deep)
+
+
+def test_hostile_result_documents_score_zero():
+    # what a program may leave on its channel, as the trainer reads it
+    plan = sandbox._plan("assert f(1, 2) == 3", {})
+    m = "ab12"
+    for body in (b"", b"[" * 100_000, b'{"tests": []}', b'{"tests": [{"values": []}]}', b'{"tests": [7]}',
+                 b'{"tests": [{"values": [{"__eq__": 1}]}]}', b'{"tests": [{"values": [3, 3]}]}', b"9" * 10_000,
+                 b'{"died": 11}', b'{"tests": [{"values": ["3"]}]}'):
+        res = sandbox._judge(m.encode() + b" " + body + b"\n", m, ["assert f(1, 2) == 3"], [plan], False, 0.0)
+        assert res.score == 0.0, (body[:40], res)
+    ok = sandbox._judge(b'ab12 {"tests": [{"values": [3]}]}\n', m, ["x"], [plan], False, 0.0)
+    assert ok.score == 1.0
