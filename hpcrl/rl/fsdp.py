@@ -35,13 +35,118 @@ def _api():
     return FSDPModule, fully_shard
 
 
-def shard(model) -> None:
-    """fully_shard every decoder layer, then the root (embeddings, final norm, LM head)."""
+def shard(model, compute_dtype: str = "float32") -> None:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, LM head).
+
+    The sharded parameters stay float32 (the master weights; AdamW's state follows them); with a
+    lower compute dtype FSDP gathers them in that dtype for the forward and backward, and reduces
+    the gradients in float32 (MixedPrecisionPolicy), as torch's and verl's recipes do."""
     FSDPModule, fully_shard = _api()
+    kw = {}
+    if compute_dtype != "float32":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory) and their buffers
+    for real: the rotary embedding's inv_freq is computed at construction and is in no file."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # (one already there may be tied: kept as it is)
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def build_on_meta(model_dir):
+    """The model of `model_dir`'s config with its parameters on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def load_sharded(model_dir, device, rank: int, world: int, compute_dtype: str = "float32"):
+    """The model of a local HF directory sharded over the ranks without any rank ever holding all
+    of it: built on the meta device, sharded, given memory for its own shards only, and each rank
+    reads just its rows of every tensor from the safetensors files (no collective). A rank's peak
+    is its 1/world share of the float32 weights (plus the buffers, which are tiny)."""
+    model = build_on_meta(model_dir)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}  # to_empty forgets their values
+    shard(model, compute_dtype)
+    model.to_empty(device=device)
+    tied = _tied_names(model)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+        _read_shares(model, model_dir, rank, world, tied)
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def _tied_names(model) -> dict:
+    """name -> the first name of the same parameter (tied embeddings: the file holds only that one)."""
+    first, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def _read_shares(model, model_dir, rank: int, world: int, tied: dict) -> None:
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights (fsdp start-up reads safetensors only)")
+    where = {}
+    for f in files:
+        with safe_open(f, "pt") as g:
+            for key in g.keys():
+                where[key] = f
+    for name, p in model.named_parameters():
+        source = name if name in where else tied.get(name, name)
+        if source not in where:
+            raise ValueError(f"{model_dir}: no weights for {name} in its safetensors files")
+        local = p.to_local() if isinstance(p, DTensor) else p
+        start, stop = _rows(p, rank, world) if isinstance(p, DTensor) else (0, p.shape[0] if p.dim() else 0)
+        with safe_open(where[source], "pt") as g:
+            part = g.get_slice(source)
+            rows = part[start:stop] if p.dim() else part[:]
+        if tuple(rows.shape) != tuple(local.shape):
+            raise ValueError(f"{model_dir}: {source} has {tuple(rows.shape)} rows for this rank, its shard "
+                             f"{tuple(local.shape)}")
+        local.copy_(rows)
+
+
+def _rows(p, rank: int, world: int) -> tuple[int, int]:
+    """This rank's rows of a parameter sharded on dim 0 (FSDP2's Shard(0): torch.chunk's split)."""
+    from torch.distributed.tensor import Shard
+
+    if list(p.placements) != [Shard(0)]:
+        raise ValueError(f"unexpected fsdp placement {p.placements}")
+    n = p.shape[0]
+    chunk = -(-n // world)
+    return min(rank * chunk, n), min((rank + 1) * chunk, n)
 
 
 def _decoder_layers(model):

@@ -51,18 +51,20 @@ class RLTrainer:
         train_path, val_path = prepare.prepare_data(cfg, ctx.run_dir)
         if self.dist.is_main:
             self.dist.barrier()
-        self.model, self.tok = policy.load_policy(self.model_dir, self.device, cfg["dtype"])
-        self.ref = self._make_ref() if cfg["beta"] > 0 else None  # forward only, no optimizer state
-        if self.fsdp:  # the reference is sharded alike: a rank holds 1/world of it too
-            fsdp.shard(self.model)
+        if self.fsdp:  # no rank ever holds the whole model (nor the reference): built on meta, sharded, then read
+            self.model, self.ref = self._load_sharded(), (self._load_sharded().eval() if cfg["beta"] > 0 else None)
+            self.tok = policy.load_tokenizer(self.model_dir)
             if self.ref is not None:
-                fsdp.shard(self.ref)
+                self.ref.requires_grad_(False)
             held = sum(p.to_local().numel() for p in self.model.parameters())
             total = sum(p.numel() for p in self.model.parameters())
             ref = ("" if self.ref is None else
                    f", {sum(p.to_local().numel() for p in self.ref.parameters())} of the reference's")
             self._say(f"fsdp: {len(fsdp.fsdp_modules(self.model))} modules sharded over {self.dist.world} ranks; "
                       f"rank 0 holds {held} of {total} parameters{ref}")
+        else:
+            self.model, self.tok = policy.load_policy(self.model_dir, self.device)
+            self.ref = self._make_ref() if cfg["beta"] > 0 else None  # forward only, no optimizer state
         self.train_ex, self.val_ex = data.load_examples(train_path), data.load_examples(val_path)
         enc = dict(chat_template=cfg["chat_template"], max_prompt_length=cfg["max_prompt_length"])
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
@@ -80,6 +82,13 @@ class RLTrainer:
         self.saved_step = None  # the checkpoint this process loaded or wrote (not the pointer: it may name a corrupt one)
         self.total = cfg["sft_steps"] + cfg["total_steps"]
         self.step_s = 0.0  # the slowest recent step, to decide whether another one fits
+
+    def _load_sharded(self):
+        return fsdp.load_sharded(self.model_dir, self.device, self.dist.rank, self.dist.world, self.cfg["dtype"])
+
+    def _compute(self):
+        """The forward passes' dtype: autocast over the float32 masters (fsdp: its mp_policy casts)."""
+        return policy.autocast(self.device, "float32" if self.fsdp else self.cfg["dtype"])
 
     def _make_ref(self):
         ref = copy.deepcopy(self.model).eval()
@@ -243,10 +252,16 @@ class RLTrainer:
         if path is None:
             if state:  # a damaged checkpoint was partly read into the weights: start clean
                 self._say("no intact checkpoint; starting from the base model")
-                base, _ = policy.load_policy(self.model_dir, self.device, self.cfg["dtype"])
-                self.model.load_state_dict(base.state_dict())
-                if self.ref is not None:
-                    self.ref.load_state_dict(base.state_dict())
+                if self.fsdp:  # each rank reads its rows of the base weights again
+                    with torch.no_grad():
+                        fsdp.copy_shards(self._load_sharded(), self.model)
+                        if self.ref is not None:
+                            fsdp.copy_shards(self._load_sharded(), self.ref)
+                else:
+                    base, _ = policy.load_policy(self.model_dir, self.device)
+                    self.model.load_state_dict(base.state_dict())
+                    if self.ref is not None:
+                        self.ref.load_state_dict(base.state_dict())
                 self._sync_rollout()
             return False
         self.step = self.saved_step = int(state["step"])
@@ -300,8 +315,9 @@ class RLTrainer:
         pos = range(mine.start * cfg["group_size"], mine.stop * cfg["group_size"])
         targets = [warmup.format_target(self.train_ex[rows[j]], random.Random(stream_seed(cfg["seed"], self.step, j)),
                                         cfg["countdown_ops"]) for j in pos]
-        loss, ntok = warmup.sft_loss(self.model, self.tok, [self.train_ids[rows[j]] for j in pos], targets,
-                                     self.device)
+        with self._compute():
+            loss, ntok = warmup.sft_loss(self.model, self.tok, [self.train_ids[rows[j]] for j in pos], targets,
+                                         self.device)
         # a mean over every rank's target tokens: this rank's share of them weighs its mean
         all_tok = self.dist.sum([ntok])[0]
         self.optimizer.zero_grad(set_to_none=True)
@@ -327,7 +343,7 @@ class RLTrainer:
         gens = None
         if cfg["rollout"] == "hf":  # each prompt's samples from its own (seed, step, position) stream
             gens = [generator(self.device, cfg["seed"], self.step, p) for p in mine]
-        with fsdp.gathered(self.model, self.fsdp):  # no collective per token: ranks decode at their own pace
+        with fsdp.gathered(self.model, self.fsdp), self._compute():  # no collective per token: ranks decode at their own pace
             batch = self.rollout.generate([self.train_ids[idx[p]] for p in mine], n=G, generators=gens,
                                           abort=self._stop_requested)
         if self.dist.agree_stop("SIGUSR1" if batch is None else None) is not None:
@@ -415,8 +431,9 @@ class RLTrainer:
             if dummy:
                 sub = torch.arange(1)
             mb = batch.select(sub)
-            logp = policy.response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                            mb.response_mask, cfg["temperature"], cfg["group_size"])
+            with self._compute():
+                logp = policy.response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                                mb.response_mask, cfg["temperature"], cfg["group_size"])
             # one update per batch: the policy *is* the sampler, so old = logp without a pass
             old = logp.detach() if single or mb.old_logp is None else mb.old_logp
             loss, got = algos.policy_loss(
@@ -463,8 +480,10 @@ class RLTrainer:
         parts = []
         for start in range(0, batch.response_ids.shape[0], micro):
             mb = batch.select(torch.arange(start, min(start + micro, batch.response_ids.shape[0])))
-            parts.append(policy.response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                                  mb.response_mask, self.cfg["temperature"], self.cfg["group_size"]))
+            with self._compute():
+                parts.append(policy.response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                                      mb.response_mask, self.cfg["temperature"],
+                                                      self.cfg["group_size"]))
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ evaluation
@@ -478,7 +497,7 @@ class RLTrainer:
         abandoned = False
         # fork: evaluation must not change the training's random stream; gathered (fsdp): the
         # weights all-gathered once for the phase, so ranks with more batches need no collective
-        with torch.random.fork_rng(), fsdp.gathered(self.model, self.fsdp):
+        with torch.random.fork_rng(), fsdp.gathered(self.model, self.fsdp), self._compute():
             for start in range(mine.start, mine.stop, bs):
                 # a local check per batch (and inside the decoding); the ranks agree after the loop
                 if self._stop_requested():
