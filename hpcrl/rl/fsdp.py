@@ -255,7 +255,7 @@ def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: l
                   ref=None) -> None:
     """Load a checkpoint every rank read a share of (parts.read_share): each tensor's shards go
     from the rank that holds it to every rank (the placements of the live parameter), the rest
-    (AdamW's step) is broadcast; the sharded KL reference likewise, when the checkpoint holds
+    (AdamW's step; under ddp, whose model is not sharded, every tensor) is broadcast; the sharded KL reference likewise, when the checkpoint holds
     one (else it stays the base model). Raises ModelMismatch on every rank alike when the
     checkpoint does not fit the model."""
     import torch.distributed as tdist

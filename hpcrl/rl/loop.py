@@ -102,10 +102,10 @@ class RLTrainer:
             from .vllm_rollout import VllmRollout
 
             return VllmRollout(self.model_dir, self.tok, cfg, self.device)
-        several_updates = cfg["ppo_epochs"] * cfg["mini_batches"] > 1
         engine = HFGenerateRollout if cfg["rollout"] == "hf-generate" else HFRollout
+        # no sampler log-probs: the old policy's are the trainer's own forward's (_update)
         return engine(self.model, self.tok, cfg["temperature"], cfg["top_p"], cfg["max_response_length"],
-                      record_logprobs=several_updates)
+                      record_logprobs=False)
 
     # ------------------------------------------------------------------ segment
 
@@ -238,7 +238,9 @@ class RLTrainer:
 
     def _resume(self) -> bool:
         t0 = time.monotonic()
-        if self.fsdp:  # each rank reads a share of the files and scatters the shards (parts.py)
+        if self.dist.enabled:  # each rank reads a share of the files and sends what it read to the others
+            # (fsdp: each rank its shards; ddp: whole tensors, broadcast), once every rank found the
+            # same newest checkpoint intact (else RanksDisagree on every rank, in one line)
             _, path, share = checkpoint.restore_share(self.ckpt, self.dist.rank, self.dist.world, self.dist.gather,
                                                       ref=self.ref is not None)
             state = False  # nothing is read into the model before every rank's share is intact
@@ -351,7 +353,7 @@ class RLTrainer:
             return None
         examples = [self.train_ex[idx[p]] for p in mine for _ in range(G)]
         t_reward = time.monotonic()
-        values, reward_metrics = self.reward(examples, batch.texts)
+        values, reward_metrics = self.reward(examples, batch.texts, dist=self.dist)
         local = torch.tensor(values, dtype=torch.float32)
         reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
         adv = algos.group_advantages(local, G, scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
@@ -389,9 +391,16 @@ class RLTrainer:
         if self.ref is not None:
             with fsdp.gathered(self.ref, self.fsdp):  # as the policy's no-grad passes below
                 ref_logp = self._logprobs_no_grad(self.ref, batch)
-        if not single and batch.old_logp is None:  # the engine gave none: one extra forward pass
+        mismatch = {}
+        if not single:
+            # The ratio's denominator is the trainer's own forward, never the sampler's log-probs:
+            # another engine's kernels (vLLM, bf16) differ from the trainer's, and a ratio built on
+            # them measures that mismatch (GSPO's 3e-4 clip would clip on it alone). The sampler's
+            # are only compared, as rollout/logp_mismatch.
+            sampled = batch.old_logp
             with fsdp.gathered(self.model, self.fsdp):  # the ranks' row counts (passes) may differ
                 batch.old_logp = self._logprobs_no_grad(self.model, batch)
+            mismatch = self._logp_mismatch(sampled, batch)
         losses, last = [], {}
         for epoch in range(cfg["ppo_epochs"]):
             order = (torch.randperm(total, generator=generator("cpu", cfg["seed"], self.step, "epoch", epoch))
@@ -407,7 +416,19 @@ class RLTrainer:
                     for k in got[0]}
         kl = last.pop("kl_ref")
         return {"loss": round(sum(losses) / len(losses), 6), "kl": round(kl, 6) if kl is not None else 0.0,
-                **{k: round(v, 6) for k, v in last.items()}}
+                **{k: round(v, 6) for k, v in last.items()}, **mismatch}
+
+    def _logp_mismatch(self, sampled, batch) -> dict:
+        """The sampler's log-probs against the trainer's: mean |difference| per response token over
+        the global batch (every rank calls it: a collective, even with no sampler log-probs)."""
+        mask = batch.response_mask
+        local = [0.0, 0.0] if sampled is None else [((sampled - batch.old_logp).abs() * mask).sum().item(),
+                                                    mask.sum().item()]
+        have = self.dist.max([float(sampled is not None)])[0]
+        if not have:
+            return {}
+        total, count = self.dist.sum(local)
+        return {"rollout/logp_mismatch": round(total / max(count, 1.0), 6)}
 
     def _optimizer_step(self, batch, idx, adv, ref_logp, single, global_rows=None) -> tuple[float, dict]:
         """One optimizer step on rows `idx` (this rank's part of a mini-batch of `global_rows`),

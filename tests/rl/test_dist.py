@@ -457,3 +457,27 @@ def test_gradients_equal_on_one_and_two_ranks_ddp_and_fsdp(tmp_path):
                 diff = (two[step][name] - g).abs().max().item()
                 assert diff <= 1e-4 * scale + 1e-12, f"{parallel} {step} {name}: differs by {diff:.3g} of {scale:.3g}"
             assert any(g.abs().max().item() > 0 for g in one[step].values())
+
+
+def test_ddp_ranks_that_see_different_newest_checkpoints_fail_in_one_line(one_rank, tmp_path):
+    """ddp resume (issue 19, item 4): one decision for every rank, as under fsdp. Rank 1's checkpoint
+    directory (a node whose file system is not rank 0's; hooked_train.py points it elsewhere)
+    lacks the newest checkpoint: the ranks stop at the same point with one line naming the
+    steps (stderr, trainer_error.txt), instead of each loading its own newest."""
+    from rl_helpers import HOOKED, trainer_env
+
+    run_dir = tmp_path / "split"
+    write_config(run_dir, **DIST_ARGS)
+    shutil.copytree(one_rank / "checkpoints", run_dir / "checkpoints")
+    shutil.copytree(one_rank / "checkpoints", tmp_path / "other")
+    shutil.rmtree(tmp_path / "other" / checkpoint_name(TOTAL))  # its newest: step 6
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HOOKED),
+            f"--ckpt-dir-of-rank=1={tmp_path / 'other'}", "--config", str(run_dir / "trainer.json")]
+    proc = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True, timeout=300,
+                          env=trainer_env(run_dir, segment=2, HPCRL_STOP_FILE=run_dir / "stop",
+                                          HPCRL_EXIT_FILE=run_dir / "exit"))
+    assert proc.returncode != 0
+    line = f"hpcrl.rl: error: the ranks see different newest checkpoints (steps [{TOTAL - 2}, {TOTAL}])"
+    assert line in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split(line)[0][-2000:]
+    assert (run_dir / "trainer_error.txt").read_text().startswith("the ranks see different newest checkpoints")
