@@ -82,6 +82,7 @@ class RLTrainer:
         self.saved_step = None  # the checkpoint this process loaded or wrote (not the pointer: it may name a corrupt one)
         self.total = cfg["sft_steps"] + cfg["total_steps"]
         self.step_s = 0.0  # the slowest recent step, to decide whether another one fits
+        self.carried_save_s = 0.0  # the run's last save time before this process (trainer state)
 
     def _load_sharded(self):
         return fsdp.load_sharded(self.model_dir, self.device, self.dist.rank, self.dist.world, self.cfg["dtype"])
@@ -207,11 +208,25 @@ class RLTrainer:
         self.ckpt.close(timeout=min(60.0, max(0.0, self.ctx.seconds_left() - 2.0)))
 
     def _save_budget_s(self) -> float:
-        return max(1.0, 2.0 * self.ckpt.last_save_s)
+        """Twice the last save's time; before this process has saved, the time the run's last save
+        took (carried in the trainer state) or what this rank's checkpoint bytes need at a
+        conservative rate, whichever is longer: a multi-GB first save must still fit the deadline."""
+        last = self.ckpt.last_save_s or max(self.carried_save_s, checkpoint.estimate_save_s(self._ckpt_bytes()))
+        return max(1.0, 2.0 * last)
+
+    def _ckpt_bytes(self) -> int:
+        """The bytes this rank writes in a save: its (fsdp: its shards' share of the) float32
+        weights, AdamW's two moments of each, and the KL reference's when it is saved."""
+        if getattr(self, "_ckpt_bytes_n", None) is None:  # asked every few decoded tokens: counted once
+            local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in self.model.parameters())
+            ref = local if self.ref is not None and self.cfg["sft_steps"] > 0 else 0
+            self._ckpt_bytes_n = 3 * local + ref
+        return self._ckpt_bytes_n
 
     def _save(self, background) -> None:
         # replicated state (ddp): rank 0's copy is every rank's, so rank 0 writes it alone
-        state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total}
+        state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total,
+                 "save_s": round(self.ckpt.last_save_s or self.carried_save_s, 3)}  # the next segment's first budget
         keep_ref = self.ref is not None and self.cfg["sft_steps"] > 0  # else ref = the base model on disk
         if self.fsdp:
             self._save_parts(state, self.ref if keep_ref else None, background)
@@ -267,6 +282,7 @@ class RLTrainer:
                 self._sync_rollout()
             return False
         self.step = self.saved_step = int(state["step"])
+        self.carried_save_s = float(state.get("save_s") or 0.0)
         self.sampler = EpochSampler(len(self.train_ids), self.cfg["seed"], **state["sampler"])
         self._sync_rollout()  # a vLLM engine started from the base weights
         self._say(f"resumed from {path} at step {self.step} of {self.total} (load {load_s:.2f} s)")
