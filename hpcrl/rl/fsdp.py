@@ -97,6 +97,9 @@ def load_sharded(model_dir, device, rank: int, world: int, compute_dtype: str = 
                 b.copy_(buffers[name])
         _read_shares(model, model_dir, rank, world, tied)
     model.generation_config.pad_token_id = model.config.pad_token_id
+    from .policy import keep_declared_dtype
+
+    keep_declared_dtype(model, model_dir)
     return model
 
 
@@ -211,28 +214,25 @@ class FullModel:
 
 
 def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict, tuple]:
-    """This rank's part of a checkpoint: the whole model tensors parts.assign gives it, copied to
-    CPU, and their optimizer state flattened as checkpoint.write_part wants it (and, given the
-    sharded KL reference, its tensors of the same names); with the index (weight_map, total
-    bytes). A collective: every rank gathers every tensor in the same order and keeps its own,
-    so no rank holds more than its share at once."""
-    from torch.distributed.tensor import DTensor
-
+    """This rank's part of a checkpoint: the whole model tensors parts.assign gives it, on CPU,
+    and their optimizer state flattened as checkpoint.write_part wants it (and, given the sharded
+    KL reference, its tensors of the same names); with the index (weight_map, total bytes).
+    A collective: every tensor's shards are gathered to its owner only (one gather per tensor,
+    the same order on every rank), so a save moves each byte once, to the rank that writes it,
+    instead of all-gathering everything on every rank."""
     from .checkpoint import flatten_optimizer
-
-    def whole(t):
-        return t.full_tensor().cpu() if isinstance(t, DTensor) else t.detach().to("cpu", copy=True)
 
     sd = model.state_dict()
     owner = parts.assign({n: t.numel() * t.element_size() for n, t in sd.items()}, world)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     weight_map = {n: parts.part_name("model", owner[n], world) for n in sd}
+
     def owned(state):
         out = {}
         for name, t in state.items():
-            full = whole(t)
-            if owner[name] == rank:
-                out[name] = full
+            got = _to_owner(t, owner[name], rank, world)
+            if got is not None:
+                out[name] = got
         return out
 
     mine = owned(sd)
@@ -242,13 +242,37 @@ def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict,
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}
     for i, p in enumerate(params):
-        keep = owner[names[id(p)]] == rank
+        o = owner[names[id(p)]]
         for key, value in sorted(osd["state"].get(i, {}).items()):
-            value = whole(value) if isinstance(value, torch.Tensor) else value
-            if keep:
+            if isinstance(value, torch.Tensor):
+                value = _to_owner(value, o, rank, world)
+            if o == rank:
                 state.setdefault(i, {})[key] = value
     tensors, meta = flatten_optimizer({"state": state, "param_groups": osd["param_groups"]})
     return {"model": mine, "optimizer": tensors, "meta": meta, "ref": mine_ref}, (weight_map, total)
+
+
+def _to_owner(t, owner: int, rank: int, world: int):
+    """The whole tensor, on CPU, on rank `owner` (None elsewhere): a sharded one's Shard(0) pieces
+    gathered there (padded to torch.chunk's size, as gather wants equal pieces); a replicated one
+    (AdamW's step) copied by its owner, who has it already."""
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t.detach().to("cpu", copy=True) if rank == owner else None
+    start, stop = _rows(t, rank, world)
+    chunk = -(-t.shape[0] // world)
+    local = t.to_local().detach()
+    piece = local.new_zeros((chunk, *t.shape[1:]))
+    piece[:stop - start].copy_(local)
+    group = t.device_mesh.get_group()
+    if rank != owner:
+        tdist.gather(piece, dst=owner, group=group)
+        return None
+    pieces = [torch.empty_like(piece) for _ in range(world)]
+    tdist.gather(piece, gather_list=pieces, dst=owner, group=group)
+    return torch.cat(pieces)[:t.shape[0]].cpu()
 
 
 def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: list, ref_t: dict | None = None,

@@ -25,7 +25,23 @@ def load_policy(model_dir, device: torch.device):
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    keep_declared_dtype(model, model_dir)
     return model, tokenizer
+
+
+def keep_declared_dtype(model, model_dir) -> None:
+    """The config keeps the model's own dtype (loading in float32 rewrote it): checkpoints'
+    config.json then says what `hpcrl export` writes by default, and from_pretrained loads."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        model.config.dtype = getattr(torch, name)
 
 
 def load_tokenizer(model_dir):

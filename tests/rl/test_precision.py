@@ -70,3 +70,41 @@ def test_trainer_in_bf16_keeps_fp32_masters_in_its_checkpoint(tmp_path):
     assert {t.dtype for t in after.values()} == {torch.float32}
     moved = torch.cat([((after[k] - base[k].float()).abs() / LR).reshape(-1) for k in base])
     assert (moved > 0.5).float().mean().item() > 0.5, f"median move {moved.median().item():.3g} x lr"
+
+
+def test_export_writes_the_models_dtype_by_default_and_the_asked_one(home, tmp_path):
+    """The checkpoint keeps the float32 masters; `hpcrl export` writes the model's own dtype
+    (bfloat16 here, as its config.json says) unless --dtype asks for another."""
+    import json
+
+    from safetensors import safe_open
+
+    from hpcrl import launch
+    from hpcrl.export import _header_dtypes
+    from hpcrl.rl import checkpoint
+    from hpcrl.spec import resolve
+
+    from helpers import hpcrl
+
+    model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, max_int=60)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))  # a bf16 model
+    model, tok = policy.load_policy(model_dir, torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    run = launch.create_run(resolve(None, "local", [f"args.model={model_dir}"], {"trainer": "builtin"}), "mp")
+    checkpoint.Checkpointer(run.layout.checkpoints, async_save=False, tokenizer=tok).save_now(
+        3, model, opt, {"step": 3})
+    saved = CheckpointStore(run.layout.checkpoints).find_latest()[1]
+    assert _header_dtypes(saved / "model.safetensors") == {"F32"}  # the masters
+    masters = load_file(saved / "model.safetensors")
+
+    hpcrl("export", "mp", "--out", tmp_path / "bf16")
+    assert _header_dtypes(tmp_path / "bf16" / "model.safetensors") == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+        name = next(iter(masters))
+        assert torch.equal(f.get_tensor(name), masters[name].to(torch.bfloat16))
+
+    hpcrl("export", "mp", "--out", tmp_path / "fp32", "--dtype", "float32")
+    assert _header_dtypes(tmp_path / "fp32" / "model.safetensors") == {"F32"}
+    assert all(torch.equal(t, masters[k]) for k, t in load_file(tmp_path / "fp32" / "model.safetensors").items())
