@@ -293,7 +293,7 @@ def cmd_export(ns) -> int:
     from .shell import command_line
 
     run = runs.Run.by_id(ns.run)
-    record, argv = export.export(run, ns.step, ns.out, execute_converter=ns.execute)
+    record, argv = export.export(run, ns.step, ns.out, execute_converter=ns.execute, dtype=ns.dtype)
     if argv is not None:
         print("# the trainer's own converter, in the run's venv (hpcrl export --execute runs it here):")
         print(command_line(argv))
@@ -418,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="new directory to write")
     sp.add_argument("--execute", action="store_true",
                     help="verl and MaxText runs: run their converter here (default: print the command)")
+    sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="built-in runs: dtype of the exported weights (default: the model's own, as its config.json says)")
     sp.set_defaults(func=cmd_export)
     sp = sub.add_parser("metrics", help="every segment's metrics as one table (csv, parquet, jsonl)")
     sp.add_argument("run", help=RUN_HELP)

@@ -4,7 +4,9 @@
   fsdp ranks, Hugging Face's sharded files and their index: whole tensors, whatever the world
   size that wrote them), config.json and the tokenizer's files. They are copied out with
   each file's digest checked against the manifest on the way (a corrupt checkpoint is refused),
-  leaving out what only a resume needs (optimizer, RNG, reference, trainer state). No torch.
+  leaving out what only a resume needs (optimizer, RNG, reference, trainer state). The weights
+  (float32 masters in the checkpoint) are written in --dtype, default the model's own (its
+  config.json's); torch is imported only to convert them.
 - verl: verl's own merger (`python -m verl.model_merger merge --backend fsdp`) in the run's venv.
 - maxtext: MaxText's own converter (`maxtext.checkpoint_conversion.to_huggingface`).
 The last two are rendered (and run with --execute where their venv exists on this machine).
@@ -84,7 +86,63 @@ def _fresh_out(out: Path) -> Path:
     return Path(os.path.join(out.parent, f".{out.name}.tmp-{os.getpid()}"))
 
 
-def export_builtin(run: Run, step: int | None, out: Path) -> dict:
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # name -> safetensors' dtype tag
+
+
+def _config_dtype(config: Path) -> str | None:
+    """The model's own dtype as its config.json states it (transformers 5 "dtype", older "torch_dtype")."""
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return name if name in DTYPES else None
+
+
+def _header_dtypes(path: Path) -> set:
+    """The tensor dtype tags of a safetensors file, from its JSON header alone (no torch)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def _cast_weights(directory: Path, dtype: str) -> None:
+    """Every floating tensor of the directory's model files in `dtype` (the trainer keeps float32
+    masters; a bf16 model is exported as bf16), config.json saying so. torch is imported only when
+    a file needs converting."""
+    floats = {"F64", "F32", "BF16", "F16"}
+    files = sorted(directory.glob("model*.safetensors"))
+    todo = [f for f in files if (_header_dtypes(f) & floats) - {DTYPES[dtype]}]
+    if todo:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        for f in todo:
+            tensors = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v)
+                       for k, v in load_file(f).items()}
+            save_file(tensors, f, metadata={"format": "pt"})
+    config = directory / "config.json"
+    cfg = json.loads(config.read_text(encoding="utf-8"))
+    if not todo and cfg.get("dtype") == dtype:
+        return  # nothing to change: the files stay the checkpoint's, byte for byte
+    cfg["dtype"] = dtype
+    cfg.pop("torch_dtype", None)
+    config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    index = directory / MODEL_INDEX
+    if todo and index.exists():  # its total_size counts the bytes of the weights
+        data = json.loads(index.read_text(encoding="utf-8"))
+        data.setdefault("metadata", {})["total_size"] = sum(_tensor_bytes(f) for f in files)
+        index.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def _tensor_bytes(path: Path) -> int:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    return path.stat().st_size - 8 - n
+
+
+def export_builtin(run: Run, step: int | None, out: Path, dtype: str | None = None) -> dict:
     step, path = pick_checkpoint(run, step)
     manifest = ckptstore.read_manifest(path)
     if manifest is None:
@@ -100,10 +158,12 @@ def export_builtin(run: Run, step: int | None, out: Path) -> dict:
         for rel, entry in sorted(files.items()):
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             _copy_checked(path / rel, tmp / rel, entry)
+        dtype = dtype or _config_dtype(tmp / "config.json") or "float32"
+        _cast_weights(tmp, dtype)
         record = {"run": run.id, "run_dir": str(run.dir), "trainer": "builtin", "step": step,
                   "checkpoint": str(path), "manifest_sha256": ckptstore.file_digest(path / ckptstore.MANIFEST_FILE,
                                                                                     "sha256"),
-                  "model_digest": files[weights], "files": sorted(files), "out": str(out.resolve()),
+                  "model_digest": files[weights], "dtype": dtype, "files": sorted(files), "out": str(out.resolve()),
                   "time": round(time.time(), 3)}
         atomic_write_json(tmp / EXPORT_RECORD, record)
         if out.exists():
@@ -187,10 +247,14 @@ def execute(run: Run, step: int, argv: list[str], out: Path) -> dict:
     return record
 
 
-def export(run: Run, step: int | None, out: Path, execute_converter: bool = False) -> tuple[dict | None, list | None]:
+def export(run: Run, step: int | None, out: Path, execute_converter: bool = False,
+           dtype: str | None = None) -> tuple[dict | None, list | None]:
     """(record, None) for an export done; (None, argv) for a converter command to run."""
     if _spec(run)["spec"]["trainer"] in ("builtin",):
-        return export_builtin(run, step, Path(out)), None
+        return export_builtin(run, step, Path(out), dtype), None
+    if dtype is not None:
+        raise HpcrlError(f"--dtype {dtype}: only the built-in trainer's exports are converted here; "
+                         "the trainer's own converter writes its own dtype (leave --dtype out)")
     step, argv = converter(run, step, Path(out))
     if execute_converter:
         return execute(run, step, argv, Path(out)), None

@@ -181,6 +181,16 @@ def _unflatten_optimizer(tensors: dict, meta: dict) -> dict:
     return optimizer_state_dict(state, meta)
 
 
+# What the deadline backstop assumes a process writes before it has timed a save of its own: far
+# below this VM's local disk (1.6 GB/s, BENCHMARKS.md) and a parallel file system's per-process
+# rate, so a large first save is not budgeted at a second.
+SAVE_RATE_ESTIMATE_BPS = 200e6
+
+
+def estimate_save_s(nbytes: int, rate_bps: float = SAVE_RATE_ESTIMATE_BPS) -> float:
+    return nbytes / rate_bps
+
+
 class Checkpointer:
     """Saves (optionally in a background thread, at most one in flight) and loads checkpoints."""
 

@@ -35,13 +35,121 @@ def _api():
     return FSDPModule, fully_shard
 
 
-def shard(model) -> None:
-    """fully_shard every decoder layer, then the root (embeddings, final norm, LM head)."""
+def shard(model, compute_dtype: str = "float32") -> None:
+    """fully_shard every decoder layer, then the root (embeddings, final norm, LM head).
+
+    The sharded parameters stay float32 (the master weights; AdamW's state follows them); with a
+    lower compute dtype FSDP gathers them in that dtype for the forward and backward, and reduces
+    the gradients in float32 (MixedPrecisionPolicy), as torch's and verl's recipes do."""
     FSDPModule, fully_shard = _api()
+    kw = {}
+    if compute_dtype != "float32":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
     layers = _decoder_layers(model)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory) and their buffers
+    for real: the rotary embedding's inv_freq is computed at construction and is in no file."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # (one already there may be tied: kept as it is)
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def build_on_meta(model_dir):
+    """The model of `model_dir`'s config with its parameters on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def load_sharded(model_dir, device, rank: int, world: int, compute_dtype: str = "float32"):
+    """The model of a local HF directory sharded over the ranks without any rank ever holding all
+    of it: built on the meta device, sharded, given memory for its own shards only, and each rank
+    reads just its rows of every tensor from the safetensors files (no collective). A rank's peak
+    is its 1/world share of the float32 weights (plus the buffers, which are tiny)."""
+    model = build_on_meta(model_dir)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}  # to_empty forgets their values
+    shard(model, compute_dtype)
+    model.to_empty(device=device)
+    tied = _tied_names(model)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+        _read_shares(model, model_dir, rank, world, tied)
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    from .policy import keep_declared_dtype
+
+    keep_declared_dtype(model, model_dir)
+    return model
+
+
+def _tied_names(model) -> dict:
+    """name -> the first name of the same parameter (tied embeddings: the file holds only that one)."""
+    first, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def _read_shares(model, model_dir, rank: int, world: int, tied: dict) -> None:
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights (fsdp start-up reads safetensors only)")
+    where = {}
+    for f in files:
+        with safe_open(f, "pt") as g:
+            for key in g.keys():
+                where[key] = f
+    for name, p in model.named_parameters():
+        source = name if name in where else tied.get(name, name)
+        if source not in where:
+            raise ValueError(f"{model_dir}: no weights for {name} in its safetensors files")
+        local = p.to_local() if isinstance(p, DTensor) else p
+        start, stop = _rows(p, rank, world) if isinstance(p, DTensor) else (0, p.shape[0] if p.dim() else 0)
+        with safe_open(where[source], "pt") as g:
+            part = g.get_slice(source)
+            rows = part[start:stop] if p.dim() else part[:]
+        if tuple(rows.shape) != tuple(local.shape):
+            raise ValueError(f"{model_dir}: {source} has {tuple(rows.shape)} rows for this rank, its shard "
+                             f"{tuple(local.shape)}")
+        local.copy_(rows)
+
+
+def _rows(p, rank: int, world: int) -> tuple[int, int]:
+    """This rank's rows of a parameter sharded on dim 0 (FSDP2's Shard(0): torch.chunk's split)."""
+    from torch.distributed.tensor import Shard
+
+    if list(p.placements) != [Shard(0)]:
+        raise ValueError(f"unexpected fsdp placement {p.placements}")
+    n = p.shape[0]
+    chunk = -(-n // world)
+    return min(rank * chunk, n), min((rank + 1) * chunk, n)
 
 
 def _decoder_layers(model):
@@ -106,28 +214,25 @@ class FullModel:
 
 
 def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict, tuple]:
-    """This rank's part of a checkpoint: the whole model tensors parts.assign gives it, copied to
-    CPU, and their optimizer state flattened as checkpoint.write_part wants it (and, given the
-    sharded KL reference, its tensors of the same names); with the index (weight_map, total
-    bytes). A collective: every rank gathers every tensor in the same order and keeps its own,
-    so no rank holds more than its share at once."""
-    from torch.distributed.tensor import DTensor
-
+    """This rank's part of a checkpoint: the whole model tensors parts.assign gives it, on CPU,
+    and their optimizer state flattened as checkpoint.write_part wants it (and, given the sharded
+    KL reference, its tensors of the same names); with the index (weight_map, total bytes).
+    A collective: every tensor's shards are gathered to its owner only (one gather per tensor,
+    the same order on every rank), so a save moves each byte once, to the rank that writes it,
+    instead of all-gathering everything on every rank."""
     from .checkpoint import flatten_optimizer
-
-    def whole(t):
-        return t.full_tensor().cpu() if isinstance(t, DTensor) else t.detach().to("cpu", copy=True)
 
     sd = model.state_dict()
     owner = parts.assign({n: t.numel() * t.element_size() for n, t in sd.items()}, world)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     weight_map = {n: parts.part_name("model", owner[n], world) for n in sd}
+
     def owned(state):
         out = {}
         for name, t in state.items():
-            full = whole(t)
-            if owner[name] == rank:
-                out[name] = full
+            got = _to_owner(t, owner[name], rank, world)
+            if got is not None:
+                out[name] = got
         return out
 
     mine = owned(sd)
@@ -137,20 +242,44 @@ def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict,
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}
     for i, p in enumerate(params):
-        keep = owner[names[id(p)]] == rank
+        o = owner[names[id(p)]]
         for key, value in sorted(osd["state"].get(i, {}).items()):
-            value = whole(value) if isinstance(value, torch.Tensor) else value
-            if keep:
+            if isinstance(value, torch.Tensor):
+                value = _to_owner(value, o, rank, world)
+            if o == rank:
                 state.setdefault(i, {})[key] = value
     tensors, meta = flatten_optimizer({"state": state, "param_groups": osd["param_groups"]})
     return {"model": mine, "optimizer": tensors, "meta": meta, "ref": mine_ref}, (weight_map, total)
+
+
+def _to_owner(t, owner: int, rank: int, world: int):
+    """The whole tensor, on CPU, on rank `owner` (None elsewhere): a sharded one's Shard(0) pieces
+    gathered there (padded to torch.chunk's size, as gather wants equal pieces); a replicated one
+    (AdamW's step) copied by its owner, who has it already."""
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t.detach().to("cpu", copy=True) if rank == owner else None
+    start, stop = _rows(t, rank, world)
+    chunk = -(-t.shape[0] // world)
+    local = t.to_local().detach()
+    piece = local.new_zeros((chunk, *t.shape[1:]))
+    piece[:stop - start].copy_(local)
+    group = t.device_mesh.get_group()
+    if rank != owner:
+        tdist.gather(piece, dst=owner, group=group)
+        return None
+    pieces = [torch.empty_like(piece) for _ in range(world)]
+    tdist.gather(piece, gather_list=pieces, dst=owner, group=group)
+    return torch.cat(pieces)[:t.shape[0]].cpu()
 
 
 def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: list, ref_t: dict | None = None,
                   ref=None) -> None:
     """Load a checkpoint every rank read a share of (parts.read_share): each tensor's shards go
     from the rank that holds it to every rank (the placements of the live parameter), the rest
-    (AdamW's step) is broadcast; the sharded KL reference likewise, when the checkpoint holds
+    (AdamW's step; under ddp, whose model is not sharded, every tensor) is broadcast; the sharded KL reference likewise, when the checkpoint holds
     one (else it stays the base model). Raises ModelMismatch on every rank alike when the
     checkpoint does not fit the model."""
     import torch.distributed as tdist

@@ -51,18 +51,20 @@ class RLTrainer:
         train_path, val_path = prepare.prepare_data(cfg, ctx.run_dir)
         if self.dist.is_main:
             self.dist.barrier()
-        self.model, self.tok = policy.load_policy(self.model_dir, self.device, cfg["dtype"])
-        self.ref = self._make_ref() if cfg["beta"] > 0 else None  # forward only, no optimizer state
-        if self.fsdp:  # the reference is sharded alike: a rank holds 1/world of it too
-            fsdp.shard(self.model)
+        if self.fsdp:  # no rank ever holds the whole model (nor the reference): built on meta, sharded, then read
+            self.model, self.ref = self._load_sharded(), (self._load_sharded().eval() if cfg["beta"] > 0 else None)
+            self.tok = policy.load_tokenizer(self.model_dir)
             if self.ref is not None:
-                fsdp.shard(self.ref)
+                self.ref.requires_grad_(False)
             held = sum(p.to_local().numel() for p in self.model.parameters())
             total = sum(p.numel() for p in self.model.parameters())
             ref = ("" if self.ref is None else
                    f", {sum(p.to_local().numel() for p in self.ref.parameters())} of the reference's")
             self._say(f"fsdp: {len(fsdp.fsdp_modules(self.model))} modules sharded over {self.dist.world} ranks; "
                       f"rank 0 holds {held} of {total} parameters{ref}")
+        else:
+            self.model, self.tok = policy.load_policy(self.model_dir, self.device)
+            self.ref = self._make_ref() if cfg["beta"] > 0 else None  # forward only, no optimizer state
         self.train_ex, self.val_ex = data.load_examples(train_path), data.load_examples(val_path)
         enc = dict(chat_template=cfg["chat_template"], max_prompt_length=cfg["max_prompt_length"])
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
@@ -80,6 +82,14 @@ class RLTrainer:
         self.saved_step = None  # the checkpoint this process loaded or wrote (not the pointer: it may name a corrupt one)
         self.total = cfg["sft_steps"] + cfg["total_steps"]
         self.step_s = 0.0  # the slowest recent step, to decide whether another one fits
+        self.carried_save_s = 0.0  # the run's last save time before this process (trainer state)
+
+    def _load_sharded(self):
+        return fsdp.load_sharded(self.model_dir, self.device, self.dist.rank, self.dist.world, self.cfg["dtype"])
+
+    def _compute(self):
+        """The forward passes' dtype: autocast over the float32 masters (fsdp: its mp_policy casts)."""
+        return policy.autocast(self.device, "float32" if self.fsdp else self.cfg["dtype"])
 
     def _make_ref(self):
         ref = copy.deepcopy(self.model).eval()
@@ -93,10 +103,10 @@ class RLTrainer:
             from .vllm_rollout import VllmRollout
 
             return VllmRollout(self.model_dir, self.tok, cfg, self.device)
-        several_updates = cfg["ppo_epochs"] * cfg["mini_batches"] > 1
         engine = HFGenerateRollout if cfg["rollout"] == "hf-generate" else HFRollout
+        # no sampler log-probs: the old policy's are the trainer's own forward's (_update)
         return engine(self.model, self.tok, cfg["temperature"], cfg["top_p"], cfg["max_response_length"],
-                      record_logprobs=several_updates)
+                      record_logprobs=False)
 
     # ------------------------------------------------------------------ segment
 
@@ -198,11 +208,25 @@ class RLTrainer:
         self.ckpt.close(timeout=min(60.0, max(0.0, self.ctx.seconds_left() - 2.0)))
 
     def _save_budget_s(self) -> float:
-        return max(1.0, 2.0 * self.ckpt.last_save_s)
+        """Twice the last save's time; before this process has saved, the time the run's last save
+        took (carried in the trainer state) or what this rank's checkpoint bytes need at a
+        conservative rate, whichever is longer: a multi-GB first save must still fit the deadline."""
+        last = self.ckpt.last_save_s or max(self.carried_save_s, checkpoint.estimate_save_s(self._ckpt_bytes()))
+        return max(1.0, 2.0 * last)
+
+    def _ckpt_bytes(self) -> int:
+        """The bytes this rank writes in a save: its (fsdp: its shards' share of the) float32
+        weights, AdamW's two moments of each, and the KL reference's when it is saved."""
+        if getattr(self, "_ckpt_bytes_n", None) is None:  # asked every few decoded tokens: counted once
+            local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in self.model.parameters())
+            ref = local if self.ref is not None and self.cfg["sft_steps"] > 0 else 0
+            self._ckpt_bytes_n = 3 * local + ref
+        return self._ckpt_bytes_n
 
     def _save(self, background) -> None:
         # replicated state (ddp): rank 0's copy is every rank's, so rank 0 writes it alone
-        state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total}
+        state = {"step": self.step, "sampler": self.sampler.state(), "total": self.total,
+                 "save_s": round(self.ckpt.last_save_s or self.carried_save_s, 3)}  # the next segment's first budget
         keep_ref = self.ref is not None and self.cfg["sft_steps"] > 0  # else ref = the base model on disk
         if self.fsdp:
             self._save_parts(state, self.ref if keep_ref else None, background)
@@ -229,7 +253,9 @@ class RLTrainer:
 
     def _resume(self) -> bool:
         t0 = time.monotonic()
-        if self.fsdp:  # each rank reads a share of the files and scatters the shards (parts.py)
+        if self.dist.enabled:  # each rank reads a share of the files and sends what it read to the others
+            # (fsdp: each rank its shards; ddp: whole tensors, broadcast), once every rank found the
+            # same newest checkpoint intact (else RanksDisagree on every rank, in one line)
             _, path, share = checkpoint.restore_share(self.ckpt, self.dist.rank, self.dist.world, self.dist.gather,
                                                       ref=self.ref is not None)
             state = False  # nothing is read into the model before every rank's share is intact
@@ -243,13 +269,20 @@ class RLTrainer:
         if path is None:
             if state:  # a damaged checkpoint was partly read into the weights: start clean
                 self._say("no intact checkpoint; starting from the base model")
-                base, _ = policy.load_policy(self.model_dir, self.device, self.cfg["dtype"])
-                self.model.load_state_dict(base.state_dict())
-                if self.ref is not None:
-                    self.ref.load_state_dict(base.state_dict())
+                if self.fsdp:  # each rank reads its rows of the base weights again
+                    with torch.no_grad():
+                        fsdp.copy_shards(self._load_sharded(), self.model)
+                        if self.ref is not None:
+                            fsdp.copy_shards(self._load_sharded(), self.ref)
+                else:
+                    base, _ = policy.load_policy(self.model_dir, self.device)
+                    self.model.load_state_dict(base.state_dict())
+                    if self.ref is not None:
+                        self.ref.load_state_dict(base.state_dict())
                 self._sync_rollout()
             return False
         self.step = self.saved_step = int(state["step"])
+        self.carried_save_s = float(state.get("save_s") or 0.0)
         self.sampler = EpochSampler(len(self.train_ids), self.cfg["seed"], **state["sampler"])
         self._sync_rollout()  # a vLLM engine started from the base weights
         self._say(f"resumed from {path} at step {self.step} of {self.total} (load {load_s:.2f} s)")
@@ -300,8 +333,9 @@ class RLTrainer:
         pos = range(mine.start * cfg["group_size"], mine.stop * cfg["group_size"])
         targets = [warmup.format_target(self.train_ex[rows[j]], random.Random(stream_seed(cfg["seed"], self.step, j)),
                                         cfg["countdown_ops"]) for j in pos]
-        loss, ntok = warmup.sft_loss(self.model, self.tok, [self.train_ids[rows[j]] for j in pos], targets,
-                                     self.device)
+        with self._compute():
+            loss, ntok = warmup.sft_loss(self.model, self.tok, [self.train_ids[rows[j]] for j in pos], targets,
+                                         self.device)
         # a mean over every rank's target tokens: this rank's share of them weighs its mean
         all_tok = self.dist.sum([ntok])[0]
         self.optimizer.zero_grad(set_to_none=True)
@@ -327,7 +361,7 @@ class RLTrainer:
         gens = None
         if cfg["rollout"] == "hf":  # each prompt's samples from its own (seed, step, position) stream
             gens = [generator(self.device, cfg["seed"], self.step, p) for p in mine]
-        with fsdp.gathered(self.model, self.fsdp):  # no collective per token: ranks decode at their own pace
+        with fsdp.gathered(self.model, self.fsdp), self._compute():  # no collective per token: ranks decode at their own pace
             batch = self.rollout.generate([self.train_ids[idx[p]] for p in mine], n=G, generators=gens,
                                           abort=self._stop_requested)
         if self.dist.agree_stop("SIGUSR1" if batch is None else None) is not None:
@@ -335,7 +369,7 @@ class RLTrainer:
             return None
         examples = [self.train_ex[idx[p]] for p in mine for _ in range(G)]
         t_reward = time.monotonic()
-        values, reward_metrics = self.reward(examples, batch.texts)
+        values, reward_metrics = self.reward(examples, batch.texts, dist=self.dist)
         local = torch.tensor(values, dtype=torch.float32)
         reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
         adv = algos.group_advantages(local, G, scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
@@ -373,9 +407,16 @@ class RLTrainer:
         if self.ref is not None:
             with fsdp.gathered(self.ref, self.fsdp):  # as the policy's no-grad passes below
                 ref_logp = self._logprobs_no_grad(self.ref, batch)
-        if not single and batch.old_logp is None:  # the engine gave none: one extra forward pass
+        mismatch = {}
+        if not single:
+            # The ratio's denominator is the trainer's own forward, never the sampler's log-probs:
+            # another engine's kernels (vLLM, bf16) differ from the trainer's, and a ratio built on
+            # them measures that mismatch (GSPO's 3e-4 clip would clip on it alone). The sampler's
+            # are only compared, as rollout/logp_mismatch.
+            sampled = batch.old_logp
             with fsdp.gathered(self.model, self.fsdp):  # the ranks' row counts (passes) may differ
                 batch.old_logp = self._logprobs_no_grad(self.model, batch)
+            mismatch = self._logp_mismatch(sampled, batch)
         losses, last = [], {}
         for epoch in range(cfg["ppo_epochs"]):
             order = (torch.randperm(total, generator=generator("cpu", cfg["seed"], self.step, "epoch", epoch))
@@ -391,7 +432,19 @@ class RLTrainer:
                     for k in got[0]}
         kl = last.pop("kl_ref")
         return {"loss": round(sum(losses) / len(losses), 6), "kl": round(kl, 6) if kl is not None else 0.0,
-                **{k: round(v, 6) for k, v in last.items()}}
+                **{k: round(v, 6) for k, v in last.items()}, **mismatch}
+
+    def _logp_mismatch(self, sampled, batch) -> dict:
+        """The sampler's log-probs against the trainer's: mean |difference| per response token over
+        the global batch (every rank calls it: a collective, even with no sampler log-probs)."""
+        mask = batch.response_mask
+        local = [0.0, 0.0] if sampled is None else [((sampled - batch.old_logp).abs() * mask).sum().item(),
+                                                    mask.sum().item()]
+        have = self.dist.max([float(sampled is not None)])[0]
+        if not have:
+            return {}
+        total, count = self.dist.sum(local)
+        return {"rollout/logp_mismatch": round(total / max(count, 1.0), 6)}
 
     def _optimizer_step(self, batch, idx, adv, ref_logp, single, global_rows=None) -> tuple[float, dict]:
         """One optimizer step on rows `idx` (this rank's part of a mini-batch of `global_rows`),
@@ -415,8 +468,9 @@ class RLTrainer:
             if dummy:
                 sub = torch.arange(1)
             mb = batch.select(sub)
-            logp = policy.response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                            mb.response_mask, cfg["temperature"], cfg["group_size"])
+            with self._compute():
+                logp = policy.response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                                mb.response_mask, cfg["temperature"], cfg["group_size"])
             # one update per batch: the policy *is* the sampler, so old = logp without a pass
             old = logp.detach() if single or mb.old_logp is None else mb.old_logp
             loss, got = algos.policy_loss(
@@ -463,8 +517,10 @@ class RLTrainer:
         parts = []
         for start in range(0, batch.response_ids.shape[0], micro):
             mb = batch.select(torch.arange(start, min(start + micro, batch.response_ids.shape[0])))
-            parts.append(policy.response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                                  mb.response_mask, self.cfg["temperature"], self.cfg["group_size"]))
+            with self._compute():
+                parts.append(policy.response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                                      mb.response_mask, self.cfg["temperature"],
+                                                      self.cfg["group_size"]))
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ evaluation
@@ -478,7 +534,7 @@ class RLTrainer:
         abandoned = False
         # fork: evaluation must not change the training's random stream; gathered (fsdp): the
         # weights all-gathered once for the phase, so ranks with more batches need no collective
-        with torch.random.fork_rng(), fsdp.gathered(self.model, self.fsdp):
+        with torch.random.fork_rng(), fsdp.gathered(self.model, self.fsdp), self._compute():
             for start in range(mine.start, mine.stop, bs):
                 # a local check per batch (and inside the decoding); the ranks agree after the loop
                 if self._stop_requested():

@@ -11,19 +11,56 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_policy(model_dir, device: torch.device, dtype: str = "float32"):
-    """(model, tokenizer) from a local HF directory; never reaches the hub."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_policy(model_dir, device: torch.device):
+    """(model, tokenizer) from a local HF directory; never reaches the hub.
+
+    The parameters are always float32 (the master weights, and AdamW's state with them): `dtype`
+    is the compute dtype (see `autocast`, and fsdp.shard's mixed-precision policy). Weights held
+    in bfloat16 would lose every update below half an ulp: at lr 1e-6 an Adam step (~1e-6) is
+    below half the ulp of a weight of ~0.01 (~3e-5), so most updates would round away."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # progress bars would flood the segment log
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).to(device)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    keep_declared_dtype(model, model_dir)
+    return model, tokenizer
+
+
+def keep_declared_dtype(model, model_dir) -> None:
+    """The config keeps the model's own dtype (loading in float32 rewrote it): checkpoints'
+    config.json then says what `hpcrl export` writes by default, and from_pretrained loads."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        model.config.dtype = getattr(torch, name)
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, padding_side="left")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=getattr(torch, dtype)).to(device)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return tokenizer
+
+
+def autocast(device: torch.device, dtype: str):
+    """The forward passes' compute dtype over float32 master weights (ddp and one process; fsdp
+    casts through its MixedPrecisionPolicy instead). float32: no autocast at all."""
+    import contextlib
+
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
 
 
 def prompt_text(tokenizer, messages, chat_template="auto") -> str:

@@ -65,11 +65,13 @@ class Reward:
                                             limits, cfg["code_workers"], cfg["code_dedupe"])
         return score
 
-    def __call__(self, examples: list, texts: list) -> tuple[list, dict]:
+    def __call__(self, examples: list, texts: list, dist=None) -> tuple[list, dict]:
+        """dist (training, where every rank scores its share of one global batch): a reward model's
+        `batch` normalisation is over the global batch, the same on any number of ranks."""
         total = [0.0] * len(texts)
         metrics: dict = {}
         for weight, name, fn in self.terms:
-            values = fn(examples, texts)
+            values = fn(examples, texts, dist=dist) if isinstance(fn, ModelReward) else fn(examples, texts)
             if len(values) != len(texts):
                 raise ValueError(f"reward {name!r} returned {len(values)} values for {len(texts)} responses")
             scores = [_score_of(v, name) for v in values]
@@ -132,6 +134,8 @@ class ModelReward:
         self.torch = torch
         self.device = device or torch.device("cpu")
         self.tok = AutoTokenizer.from_pretrained(path)
+        # a long input loses its beginning, not the response's end (what the reward is about)
+        self.tok.truncation_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
@@ -147,18 +151,37 @@ class ModelReward:
             return self.tok.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
         return " ".join(m["content"] for m in messages) + " " + response
 
-    def __call__(self, examples: list, texts: list) -> list:
+    def encode(self, strings: list):
+        return self.tok(strings, return_tensors="pt", padding=True, truncation=True, max_length=self.max_len)
+
+    def __call__(self, examples: list, texts: list, dist=None) -> list:
+        """dist: an object whose sum(list) adds each entry over the ranks (dist.Dist): `batch`
+        normalisation uses the global batch's mean and std (a collective: every rank calls it)."""
         torch, out = self.torch, []
         strings = [self._text(e, t) for e, t in zip(examples, texts)]
         with torch.no_grad():
             for start in range(0, len(strings), self.batch_size):
-                enc = self.tok(strings[start:start + self.batch_size], return_tensors="pt", padding=True,
-                               truncation=True, max_length=self.max_len)
+                enc = self.encode(strings[start:start + self.batch_size])
                 logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits
                 out.extend(logits[:, 0].float().cpu().tolist())
         if self.normalize == "sigmoid":
             return [float(torch.sigmoid(torch.tensor(v))) for v in out]
-        if self.normalize == "batch" and len(out) > 1:
-            t = torch.tensor(out)
-            return ((t - t.mean()) / (t.std() + 1e-6)).tolist()
+        if self.normalize == "batch":
+            return zscore(out, dist)
         return out
+
+
+def zscore(values: list, dist=None) -> list:
+    """(v - mean) / (std + 1e-6) over the global batch (every rank's values; std with n - 1)."""
+    t = [float(v) for v in values]
+    n, s = float(len(t)), sum(t)
+    if dist is not None:
+        n, s = dist.sum([n, s])
+    if n < 2:
+        return t
+    mean = s / n
+    sq = sum((v - mean) ** 2 for v in t)  # about the global mean: no cancellation of large sums
+    if dist is not None:
+        sq = dist.sum([sq])[0]
+    std = (sq / (n - 1)) ** 0.5
+    return [(v - mean) / (std + 1e-6) for v in t]

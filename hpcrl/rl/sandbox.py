@@ -736,7 +736,8 @@ def run_batch(items: list, limits: Limits = Limits(), workers: int = 0, dedupe: 
     for key, item in zip(keys, items):
         if not dedupe or key not in todo:
             todo.setdefault(key if dedupe else len(todo), item)
-    workers = workers or os.cpu_count() or 1
+    from .cpus import workers_per_rank  # the affinity mask, shared by the node's ranks (issue 19)
+    workers = workers or workers_per_rank()
     level = isolation()
     with ThreadPoolExecutor(max_workers=min(workers, max(1, len(todo)))) as pool:
         futures = {k: pool.submit(run_tests, c, t, limits, level) for k, (c, t) in todo.items()}

@@ -166,7 +166,8 @@ SCHEMA = Schema("builtin", [
     # --- the code reward (sandbox: hpcrl/rl/sandbox.py)
     Float("code_timeout_s", 5.0, "wall-clock limit of one sample's tests", gt=0, le=600),
     Int("code_memory_mb", 512, "address-space limit of one sample", ge=64),
-    Int("code_workers", 0, "samples run at once; 0: one per CPU", ge=0),
+    Int("code_workers", 0, "samples run at once; 0: one per CPU of this rank (its affinity mask, divided by "
+        "the node's ranks when the mask is the whole node)", ge=0),
     Float("code_format_score", 0.0, "share of the score for a fenced ```python block", ge=0, le=1),
     Bool("code_dedupe", True, "identical (code, tests) in one batch run once and share the result"),
     Int("length_norm_chars", 1000, "the 'length' term is -response chars / this", ge=1),

@@ -8,6 +8,12 @@
                 is sealed (manifest, rename, pointer), so a test can kill -9 a half-written save
 --eval-delay-s  sleep S inside every evaluation batch's decoding (a long evaluation, so a stop
                 arrives in the middle of one)
+--ckpt-dir-of-rank R=DIR  rank R's checkpoint directory is DIR (a node whose file system is not the
+                others': what one machine cannot otherwise show)
+--sampler-logp-shift X  the HF rollout reports log-probs X above the policy's own, as a sampler
+                with other kernels would (a test double of vLLM's log-probs)
+--grads-dir D   after every optimizer step's gradient reduction (before clipping and AdamW), rank
+                0 writes the whole gradients to D/grads-STEP-K.pt (K: the step's K-th update)
 
 The trainer itself carries no test hooks: this wrapper patches its functions and then runs
 hpcrl.rl.train's main, as `python -m hpcrl.rl.train` would. (The patches import torch before
@@ -33,8 +39,55 @@ def delayed(fn, seconds: float):
     return wrapper
 
 
-def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0, eval_delay_s: float = 0.0) -> None:
+def dump_grads(grads_dir: str) -> None:
+    """Gradients as the optimizer will see them: reduced over the ranks (fsdp: gathered whole, a
+    collective every rank makes in the same order), unclipped."""
+    import torch
+
+    from hpcrl.rl.loop import RLTrainer
+
+    reduce = RLTrainer._reduce_grads
+
+    @functools.wraps(reduce)
+    def dumping(self):
+        reduce(self)
+        grads = {}
+        for name, p in self.model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu().clone()
+        k = self.__dict__.get("_grads_k", {}).get(self.step, 0)
+        self.__dict__.setdefault("_grads_k", {})[self.step] = k + 1
+        if self.dist.is_main:
+            torch.save(grads, f"{grads_dir}/grads-{self.step + 1}-{k}.pt")
+
+    RLTrainer._reduce_grads = dumping
+
+
+def shift_sampler_logprobs(shift: float) -> None:
+    import torch
+
+    from hpcrl.rl import policy, rollout
+
+    generate = rollout.HFRollout.generate
+
+    @functools.wraps(generate)
+    def wrapper(self, prompts, n=1, greedy=False, generators=None, abort=None):
+        batch = generate(self, prompts, n, greedy, generators, abort)
+        if batch is not None and not greedy:
+            with torch.no_grad():
+                own = policy.response_logprobs(self.model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                               batch.response_mask, self.temperature)
+            batch.old_logp = (own + shift) * batch.response_mask
+        return batch
+
+    rollout.HFRollout.generate = wrapper
+
+
+def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0, eval_delay_s: float = 0.0,
+            grads_dir: str | None = None) -> None:
     """Patch this process's trainer: every step and every save take that much longer."""
+    if grads_dir:
+        dump_grads(grads_dir)
     if step_delay_s:
         from hpcrl.rl.loop import RLTrainer
 
@@ -66,8 +119,19 @@ def main(argv=None) -> int:
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--save-pause-s", type=float, default=0.0)
     parser.add_argument("--eval-delay-s", type=float, default=0.0)
+    parser.add_argument("--grads-dir")
+    parser.add_argument("--ckpt-dir-of-rank")
+    parser.add_argument("--sampler-logp-shift", type=float)
     ns, rest = parser.parse_known_args(argv)
-    install(ns.step_delay_s, ns.save_pause_s, ns.eval_delay_s)
+    if ns.sampler_logp_shift is not None:
+        shift_sampler_logprobs(ns.sampler_logp_shift)
+    if ns.ckpt_dir_of_rank:
+        import os
+
+        rank, directory = ns.ckpt_dir_of_rank.split("=", 1)
+        if os.environ.get("RANK") == rank:
+            os.environ["HPCRL_CKPT_DIR"] = directory
+    install(ns.step_delay_s, ns.save_pause_s, ns.eval_delay_s, ns.grads_dir)
     from hpcrl.rl import train
 
     return train.main(rest)

@@ -101,3 +101,31 @@ def checkpoint_model(path: Path, kind: str = "model") -> dict:
     assert set(out) == set(index["weight_map"])
     return out
 
+
+
+def as_two_ranks(fn) -> list:
+    """fn(rank, gather) in two threads playing two ranks, where gather(obj) gives each both ranks'
+    objects in rank order (a collective); each rank's result, or the exception it raised."""
+    import threading
+
+    seen, barrier, results = {}, threading.Barrier(2, timeout=30), [None, None]
+
+    def gather(rank, obj):
+        seen[rank] = obj
+        barrier.wait()
+        out = [seen[0], seen[1]]
+        barrier.wait()  # nobody overwrites a slot before both have read it
+        return out
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank, lambda obj: gather(rank, obj))
+        except Exception as e:
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results

@@ -1,5 +1,6 @@
 """Run under torchrun (tests/rl/test_dist.py): an fsdp model and AdamW after one step, their
-checkpoint parts in memory (fsdp.owned_part, rank r's part standing in for the share rank r
+checkpoint parts in memory (fsdp.owned_part, with full_tensor taken away: each tensor goes to its
+owner alone; rank r's part standing in for the share rank r
 reads), loaded by fsdp.scatter_share into a fresh sharded model and optimizer: every rank's
 shards and optimizer state must equal the original's bit for bit. argv[1]: a tiny model's
 directory."""
@@ -32,7 +33,17 @@ def main() -> int:
     d = rl_dist.Dist.from_env({"dist_timeout_s": 60})
     model_dir = sys.argv[1]
     model, ref, opt = trained(model_dir, 1)
-    part, _ = fsdp.owned_part(model, opt, d.rank, d.world, ref)
+    from torch.distributed.tensor import DTensor
+
+    full_tensor = DTensor.full_tensor
+    DTensor.full_tensor = None  # a save gathers each tensor to its owner only: no all-gather of everything
+    try:
+        part, _ = fsdp.owned_part(model, opt, d.rank, d.world, ref)
+    finally:
+        DTensor.full_tensor = full_tensor
+    held = sum(t.numel() for t in part["model"].values())
+    total = sum(p.numel() for p in model.parameters())
+    print(f"rank {d.rank}: holds {held} of {total} model values after owned_part", flush=True)
     fresh, fresh_ref, fresh_opt = trained(model_dir, 5)  # other weights and state everywhere
     fsdp.scatter_share(fresh, fresh_opt, d, part["model"], part["optimizer"], [part["meta"]], part["ref"],
                        ref=fresh_ref)

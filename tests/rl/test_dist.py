@@ -228,6 +228,29 @@ def test_fsdp_scatter_loads_every_shard_reference_and_optimizer_state_exactly(tm
     assert proc.stdout.count(": 0 differ") == 2, proc.stdout
 
 
+def test_fsdp_startup_holds_a_share_of_model_and_reference(tmp_path):
+    """fsdp start-up (issue 19, item 2): the model and the KL reference are built on the meta device,
+    sharded, and each rank reads only its rows from the files, so a rank's peak RSS over the
+    start-up is about 1/world of both (here 1.0 x the model's float32 bytes on 2 ranks). The old
+    path (whole model on every rank, deep-copied for the reference, then sharded) peaks above 2x;
+    the script's "full" mode measures it (BENCHMARKS.md). Every shard equals its rows on disk."""
+    from hpcrl.rl.tiny import build_tiny_model
+
+    from rl_helpers import REPO, trainer_env
+
+    model_dir = build_tiny_model(tmp_path / "model", hidden_size=512, layers=8, heads=8, max_int=1000)  # 84 MB
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests" / "rl" / "startup_check.py"), str(model_dir), "meta"],
+                          env=trainer_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    lines = re.findall(r"rank (\d): mode meta peak ([\d.]+) MB model ([\d.]+) MB; (\d+) differ", proc.stdout)
+    assert len(lines) == 2, proc.stdout
+    for rank, peak, model, differ in lines:
+        assert differ == "0"
+        # ideal 1.0 (half of each of two models); the whole model on a rank alone would be 1.0 more
+        assert float(peak) < 1.35 * float(model), f"rank {rank} peaked at {peak} MB for a {model} MB model"
+
+
 def test_fsdp_stopped_by_the_stop_file_resumes_on_one_rank(one_rank, base_params, tmp_path):
     """fsdp 2 ranks -> 1 plain process: the checkpoint's parts hold whole tensors, so the 1-rank
     segment loads them (each file into the parameters the index puts in it) and finishes the
@@ -396,3 +419,65 @@ def test_sigterm_to_torchrun_reaches_every_rank_and_they_save_together(tmp_path)
     stopped = max(steps(run_dir))
     assert f"stopping at step {stopped} (SIGTERM)" in out
     assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped
+
+
+def grads_run(tmp_path, name, nproc, parallel="ddp"):
+    """A 2-step run (1 warm-up step, 1 RL step of 2 mini-batches) through hooked_train.py, which
+    writes the reduced gradients of each of its 3 optimizer steps: {file name: {param: grad}}."""
+    from rl_helpers import HOOKED, trainer_env
+
+    run_dir = tmp_path / name
+    write_config(run_dir, **{**DIST_ARGS, "sft_steps": 1, "total_steps": 1, "ppo_epochs": 1, "parallel": parallel,
+                             "eval_before": False, "eval_after": False, "save_every": 0})
+    grads = run_dir / "grads"
+    grads.mkdir()
+    hooked = [str(HOOKED), f"--grads-dir={grads}", "--config", str(run_dir / "trainer.json")]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    proc = subprocess.run([sys.executable, *launcher, *hooked], cwd=run_dir, capture_output=True, text=True,
+                          timeout=300, env=trainer_env(run_dir, HPCRL_STOP_FILE=run_dir / "stop",
+                                                       HPCRL_EXIT_FILE=run_dir / "exit"))
+    assert proc.returncode in (0, protocol.EXIT_COMPLETE), proc.stderr[-3000:]
+    return {p.name: torch.load(p) for p in sorted(grads.glob("grads-*.pt"))}
+
+
+def test_gradients_equal_on_one_and_two_ranks_ddp_and_fsdp(tmp_path):
+    """The gradients each optimizer step uses (reduced, before clipping and AdamW, which would hide
+    a uniform scale) are the same on 1 rank, 2 ddp ranks and 2 fsdp ranks: the warm-up's, and the
+    RL step's two mini-batches' (a rank may hold no rows of one: its dummy pass weighs 0). Bound:
+    1e-4 of each tensor's largest gradient (float32 rounding of sums in another order is ~1e-7);
+    a gradient scaled by the world size, or a rank's rows counted twice, is off by its whole size."""
+    one = grads_run(tmp_path, "one", 1)
+    assert sorted(one) == ["grads-1-0.pt", "grads-2-0.pt", "grads-2-1.pt"]
+    for parallel in ("ddp", "fsdp"):
+        two = grads_run(tmp_path, parallel, 2, parallel)
+        assert sorted(two) == sorted(one)
+        for step in one:
+            for name, g in one[step].items():
+                scale = g.abs().max().item()
+                diff = (two[step][name] - g).abs().max().item()
+                assert diff <= 1e-4 * scale + 1e-12, f"{parallel} {step} {name}: differs by {diff:.3g} of {scale:.3g}"
+            assert any(g.abs().max().item() > 0 for g in one[step].values())
+
+
+def test_ddp_ranks_that_see_different_newest_checkpoints_fail_in_one_line(one_rank, tmp_path):
+    """ddp resume (issue 19, item 4): one decision for every rank, as under fsdp. Rank 1's checkpoint
+    directory (a node whose file system is not rank 0's; hooked_train.py points it elsewhere)
+    lacks the newest checkpoint: the ranks stop at the same point with one line naming the
+    steps (stderr, trainer_error.txt), instead of each loading its own newest."""
+    from rl_helpers import HOOKED, trainer_env
+
+    run_dir = tmp_path / "split"
+    write_config(run_dir, **DIST_ARGS)
+    shutil.copytree(one_rank / "checkpoints", run_dir / "checkpoints")
+    shutil.copytree(one_rank / "checkpoints", tmp_path / "other")
+    shutil.rmtree(tmp_path / "other" / checkpoint_name(TOTAL))  # its newest: step 6
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HOOKED),
+            f"--ckpt-dir-of-rank=1={tmp_path / 'other'}", "--config", str(run_dir / "trainer.json")]
+    proc = subprocess.run(argv, cwd=run_dir, capture_output=True, text=True, timeout=300,
+                          env=trainer_env(run_dir, segment=2, HPCRL_STOP_FILE=run_dir / "stop",
+                                          HPCRL_EXIT_FILE=run_dir / "exit"))
+    assert proc.returncode != 0
+    line = f"hpcrl.rl: error: the ranks see different newest checkpoints (steps [{TOTAL - 2}, {TOTAL}])"
+    assert line in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split(line)[0][-2000:]
+    assert (run_dir / "trainer_error.txt").read_text().startswith("the ranks see different newest checkpoints")

@@ -11,7 +11,7 @@ from hpcrl import ckptstore
 from hpcrl.rl import checkpoint, fsdp, parts, policy
 from hpcrl.rl.tiny import build_tiny_model
 
-from rl_helpers import checkpoint_model
+from rl_helpers import as_two_ranks, checkpoint_model
 
 
 @pytest.fixture(scope="module")
@@ -175,34 +175,6 @@ def test_export_of_a_checkpoint_in_parts_is_a_sharded_model_directory(home, trai
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
     want = model.state_dict()
     assert all(torch.equal(loaded[k], want[k]) for k in want if k in loaded)
-
-
-def as_two_ranks(fn) -> list:
-    """fn(rank, gather) in two threads playing two ranks, where gather(obj) gives each both ranks'
-    objects in rank order (a collective); each rank's result, or the exception it raised."""
-    import threading
-
-    seen, barrier, results = {}, threading.Barrier(2, timeout=30), [None, None]
-
-    def gather(rank, obj):
-        seen[rank] = obj
-        barrier.wait()
-        out = [seen[0], seen[1]]
-        barrier.wait()  # nobody overwrites a slot before both have read it
-        return out
-
-    def run(rank):
-        try:
-            results[rank] = fn(rank, lambda obj: gather(rank, obj))
-        except Exception as e:
-            results[rank] = e
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
 
 
 def test_ranks_that_see_different_newest_checkpoints_fail_together(trained, tmp_path):

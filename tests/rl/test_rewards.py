@@ -105,3 +105,39 @@ def test_user_reward_from_file_and_module(tmp_path):
         rewards.load_reward(f"{f}:missing")
     with pytest.raises(ValueError):
         rewards.load_reward(str(tmp_path / "absent.py"))
+
+
+def test_reward_model_batch_normalisation_is_global_and_truncates_from_the_left(tmp_path):
+    """reward_model_normalize: batch (issue 19, item 7) z-scores over the global batch: two ranks
+    (threads sharing one gather, as dist.Dist.sum adds over processes) get exactly the 1-rank
+    values of their rows. A reward-model input longer than the model's length loses its
+    beginning, not the response's end."""
+    from hpcrl.rl.reward_mix import ModelReward
+    from hpcrl.rl.tiny import build_tiny_model
+
+    from rl_helpers import as_two_ranks
+
+    rm = build_tiny_model(tmp_path / "rm", hidden_size=32, layers=1, heads=2, max_int=60, reward_head=True)
+    reward = ModelReward(str(rm), None, batch_size=3, normalize="batch")
+    examples = [{"messages": [{"role": "user", "content": f"numbers {i} and {2 * i}"}]} for i in range(6)]
+    texts = [f"<answer> {i} + {3 * i} </answer>" for i in range(6)]
+    one = reward(examples, texts)
+    assert abs(sum(one)) < 1e-4 and len(set(round(v, 4) for v in one)) > 1
+
+    class Sum:  # dist.Dist's sum over the two thread-ranks
+        def __init__(self, gather):
+            self.gather = gather
+
+        def sum(self, values):
+            return [float(sum(col)) for col in zip(*self.gather(list(values)))]
+
+    halves = as_two_ranks(lambda rank, gather: reward(examples[3 * rank:3 * rank + 3], texts[3 * rank:3 * rank + 3],
+                                                      dist=Sum(gather)))
+    assert max(abs(a - b) for a, b in zip(halves[0] + halves[1], one)) < 1e-5, (halves, one)
+    # alone, each half would be normalised over itself: not the global values
+    assert max(abs(a - b) for a, b in zip(reward(examples[:3], texts[:3]), one[:3])) > 1e-3
+
+    reward.max_len = 8
+    long = reward._text({"messages": [{"role": "user", "content": " ".join(["numbers"] * 40)}]}, "<answer> 7 </answer>")
+    ids = reward.encode([long]).input_ids[0].tolist()
+    assert len(ids) == 8 and ids[-3:] == reward.tok("<answer> 7 </answer>", add_special_tokens=False).input_ids[-3:]
