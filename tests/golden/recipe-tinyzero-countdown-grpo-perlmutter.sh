@@ -80,6 +80,7 @@ if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
   "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
   exit 1
 fi
+echo "hpcrl: venv $venv (ready since $(date -r "$venv/.hpcrl-ready" '+%F %T'))"
 source "$venv/bin/activate"
 trainer_py="$venv/bin/python"
 
