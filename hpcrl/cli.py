@@ -75,6 +75,29 @@ def cmd_submit(ns) -> int:
     return 0
 
 
+def cmd_venv(ns) -> int:
+    from . import launch, venv
+    from .runs import Run
+
+    if ns.run:
+        if ns.spec or ns.trainer or ns.site or ns.sets:
+            raise HpcrlError("hpcrl venv build: --run RUN takes the run's own spec; give either --run or a spec")
+        resolved = Run.by_id(ns.run).spec()
+    else:
+        resolved = _resolve(ns)
+    plan = venv.plan(resolved)
+    if plan is None:
+        print(f"no venv to build: site '{resolved['site']['name']}' has no venv_root, names a trainer_python, "
+              f"or the trainer needs nothing installed")
+        return 0
+    if not venv.built_here(resolved):
+        print(f"no venv to build here: site '{resolved['site']['name']}' builds it on its own machines, in the job")
+        return 0
+    built = launch.build_venv(resolved)
+    print(f"venv {plan.path} {'built' if built else 'already ready'} ({len(plan.requirements)} requirements)")
+    return 0
+
+
 def cmd_status(ns) -> int:
     from . import report, runs
 
@@ -363,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
         _add_run_options(sp)
         sp.set_defaults(func=fn)
+    sp = sub.add_parser("venv", help="build the trainer's venv on this (login) node, as submit does",
+                        description="build the trainer's venv into venv_root/<hash> on this (login) node, as "
+                                    "submit does; jobs only activate it")
+    sp.add_argument("action", choices=["build"])
+    _add_run_options(sp)
+    sp.add_argument("--run", help="build the venv of this existing run (what its job asks for)")
+    sp.set_defaults(func=cmd_venv)
     sp = sub.add_parser("status", help="where every run stands (or one run in detail)")
     sp.add_argument("run", nargs="?", help=RUN_HELP + " (default: every run, one line each)")
     sp.add_argument("--json", action="store_true", help="machine-readable list of runs")

@@ -92,7 +92,9 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
         header=backend.directives(resolved, run_id, layout), job_id_line=backend.job_id_line(),
         hpcrl_python=site.get("hpcrl_python") or sys.executable, command=command,
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
-        venv=venv_path(site, requirements(resolved)), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
+        venv=venv_path(site, requirements(resolved)), venv_prebuilt=backend.jobs_share_this_environment,
+        requirements=requirements(resolved), venv_build_command=f"hpcrl venv build --run {run_id}",
+        nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
         exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None))
 
 
@@ -195,11 +197,27 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+def build_venv(resolved: dict, say=None) -> bool:
+    """The run's venv, built here unless it is ready (True when this call built it). Sites whose
+    jobs run elsewhere (TPU VMs) build it in the job instead: nothing to do here."""
+    from . import venv
+
+    plan = venv.plan(resolved)
+    if plan is None or not venv.built_here(resolved):
+        return False
+    return venv.ensure(plan, say)
+
+
 def submit(resolved: dict, run_id: str | None = None) -> Run:
     backend = _site_backend(resolved)
     check_trainer_python(resolved)
     get_trainer(resolved["spec"]["trainer"]).check_submit(resolved["spec"]["args"],
                                                           world_size(resolved["spec"]["resources"]))
+    if run_id is not None and run_id in runs.registered_ids():  # before a long venv build, not after
+        raise RunError(f"run '{run_id}' already exists; `hpcrl resume {run_id}` continues it, or pick another --name")
+    # On the login side, before anything of the run exists: the job only activates it (compute
+    # nodes may mount venv_root read-only), and a failed build leaves no run behind.
+    build_venv(resolved)
     run = create_run(resolved, run_id)
     try:
         with run.locked() as state:
@@ -397,6 +415,7 @@ def resume(run_id: str, hours: float | None = None, total_hours: float | None = 
     run = Run.by_id(run_id)
     backend = backend_for(run)
     reconcile(run, interval_s=60.0)
+    build_venv(run.spec())  # gone since (a cleaned venv_root, a new base Python): rebuilt here, not in the job
     check_resume_budget(hours, total_hours, max_segments, run.state()["budget"])
     if hours is not None:
         validate_qos(run.site(), hours)

@@ -112,6 +112,8 @@ def segment_by_job(state: dict, job_id) -> dict | None:
 def used_hours(state: dict, now: float | None = None) -> float:
     total = 0.0
     for seg in state["segments"]:
+        for attempt in seg.get("requeues", []):  # the earlier starts of a requeued job
+            total += max(0.0, (attempt.get("ended") or attempt["started"]) - attempt["started"])
         if seg.get("started"):
             end = seg.get("ended") or (now if seg_state(seg) == SegState.RUNNING else None) or seg["started"]
             total += max(0.0, end - seg["started"])
@@ -265,6 +267,8 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
     if seg is None:  # a job the user submitted by hand (sbatch job.sh): adopt it
         seg = {"job_id": str(job_id), "submitted": now, "after": None}
         state["segments"].append(seg)
+    elif seg.get("started"):  # the scheduler requeued this job (node failure, preemption): it begins again
+        _requeued(state, seg, step, now)
     for other in state["segments"]:
         # still RUNNING while another starts: it ended without its end hook
         if other is not seg and other.get("state") == SegState.RUNNING.value:
@@ -273,10 +277,29 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
     if stop:
         seg.update(state=SegState.SKIPPED.value, started=None, ended=now, reason=describe(stop, state["run_id"]))
         return seg, finish(state, stop, now, state["run_id"])
-    seg.update(state=SegState.RUNNING.value, started=now, start_step=step, k=ran_segments(state) + 1)
+    seg.update(state=SegState.RUNNING.value, started=now, start_step=step, k=seg.get("k") or ran_segments(state) + 1)
     _set(state, RunState.RUNNING)
     add_event(state, f"segment {seg['k']} started (job {job_id})", now)
-    return seg, ([Queue(after=str(job_id))] if chains and budget_stop(state) is None else [])
+    # A requeued job's successor, queued by its first start, still waits for it (afterany counts
+    # the job's final end, not a requeue): one successor per segment, however often it starts.
+    successor = any(seg_state(s) == SegState.QUEUED for s in state["segments"])
+    return seg, ([Queue(after=str(job_id))] if chains and not successor and budget_stop(state) is None else [])
+
+
+def _requeued(state: dict, seg: dict, step: int | None, now: float) -> None:
+    """The segment's job starts again under the same id. Its earlier start becomes an attempt in
+    the segment's record (its hours still count against the budget); one that ended without its
+    end hook is judged by its checkpoints, as a lost segment is."""
+    if seg_state(seg) == SegState.RUNNING:
+        seg.update(ended=now, end_step=step, rc=None)
+        _count_progress(state, seg)
+        seg["state"] = SegState.LOST.value
+    attempt = {k: seg.get(k) for k in ("started", "ended", "state", "rc", "start_step", "end_step")}
+    seg.setdefault("requeues", []).append(attempt)
+    for key in ("ended", "rc", "end_step", "reason", "error"):
+        seg.pop(key, None)
+    add_event(state, f"segment {seg.get('k') or '-'} (job {seg['job_id']}) requeued by the scheduler after "
+                     f"{attempt['state'].lower()} at step {attempt['end_step']}; it starts again", now)
 
 
 def successor_failed(state: dict, error: str, now: float, until: float) -> None:

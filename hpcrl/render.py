@@ -14,9 +14,10 @@ import re
 from dataclasses import dataclass, field
 
 from . import __version__
+from .protocol import ERROR_FILE
 from .errors import SiteError
 from .paths import hpcrl_home, templates_dir
-from .shell import command_line, q
+from .shell import command_line, comment, q
 
 
 def expand_path(template: str, site: dict, what: str) -> str:
@@ -70,6 +71,11 @@ class ScriptParts:
     bootstrap: str = ""
     forward_usr1: bool = True  # the trainer checkpoints on USR1 (the protocol)
     venv: str | None = None
+    # Built at submit on this side (the job only checks and activates it), or in the job (a TPU
+    # VM: its own disk); the resolved requirements are listed in the script either way.
+    venv_prebuilt: bool = True
+    requirements: list[str] = field(default_factory=list)
+    venv_build_command: str = "hpcrl venv build"
     nothing_to_do: int = 3    # protocol.EXIT_NOTHING_TO_DO of `_segment begin`
     exit_continue: int = 85   # protocol.EXIT_CONTINUE: the job itself then ends 0 for its scheduler
     # Under a multi-process launcher (torchrun, srun): the backend's bash before it (None: the
@@ -86,13 +92,15 @@ def render_script(p: ScriptParts) -> str:
     jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, trim_blocks=False, autoescape=False)
     jenv.filters["q"] = q
+    jenv.filters["comment"] = comment
     return jenv.get_template("segment.sh.j2").render(
         header="\n".join(["#!/bin/bash", *p.header]), run_id=p.run_id, site_name=site["name"], version=__version__,
         run_dir=str(lay.root), ckpt_dir=str(lay.checkpoints), metrics=str(lay.metrics),
         checkpointing_flag=lay.checkpointing_flag.name, rc_prefix=lay.trainer_rc("").name,
         stop_prefix=lay.trainer_stop("").name, exit_prefix=lay.trainer_exit("").name, ranks_prelude=p.ranks_prelude,
         hpcrl_python=p.hpcrl_python, hpcrl_src=str(lay.lib), job_id_line=p.job_id_line,
-        modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv,
+        modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv, venv_prebuilt=p.venv_prebuilt,
+        requirements=p.requirements, venv_build_command=p.venv_build_command, error_file=ERROR_FILE,
         trainer_python=site.get("trainer_python"), python=site.get("python") or "python3",
         requirements_file=str(lay.requirements), env=env, nothing_to_do=int(p.nothing_to_do),
         exit_continue=int(p.exit_continue),

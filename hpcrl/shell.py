@@ -26,6 +26,12 @@ def q(value) -> str:
     return value if value == TRAINER_PY else shlex.quote(value)
 
 
+def comment(value) -> str:
+    """A value shown in a `#` comment line: control characters (a newline would end the comment
+    and make the rest a command) are written as escapes."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(value))
+
+
 def command_line(argv: list[str]) -> str:
     """An argv as one bash command line, every word quoted by `q`."""
     return " ".join(q(a) for a in argv)

@@ -61,21 +61,27 @@ export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 
 
-# The venv: built once per distinct requirement set, under a lock so that concurrent segments
-# and runs never build it twice; a build that died leaves no ready marker and is redone.
+# The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
+# the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
+# /global/common). The job only checks that it is ready and activates it; it writes nothing there.
+# Its requirements:
+#   torch==2.13.0
+#   transformers>=5.0,<5.20
+#   tokenizers>=0.21
+#   safetensors>=0.4
+#   xxhash>=3.0
+#   numpy>=1.26
+#   pandas>=2.0
+#   pyarrow>=15
 venv=/global/common/software/m1234/hpcrl/venvs/12ed82312cd0
-mkdir -p "$(dirname "$venv")"
-(
-  flock 9
-  if [ ! -f "$venv/.hpcrl-ready" ]; then
-    echo "hpcrl: building venv $venv"
-    rm -rf "$venv"
-    python3 -m venv "$venv" &&
-      "$venv/bin/python" -m pip install --quiet --upgrade pip &&
-      "$venv/bin/python" -m pip install --quiet -r /pscratch/sd/u/user/hpcrl/runs/pm2/requirements.txt &&
-      touch "$venv/.hpcrl-ready" || { echo "hpcrl: venv build failed" >&2; exit 1; }
-  fi
-) 9>"$venv.lock" || { "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1; exit 1; }
+if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
+  hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: hpcrl venv build --run pm2"
+  echo "hpcrl: $hpcrl_why" >&2
+  echo "$hpcrl_why" > "$HPCRL_RUN_DIR/trainer_error.txt"
+  "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
+  exit 1
+fi
+echo "hpcrl: venv $venv (ready since $(date -r "$venv/.hpcrl-ready" '+%F %T'))"
 source "$venv/bin/activate"
 trainer_py="$venv/bin/python"
 

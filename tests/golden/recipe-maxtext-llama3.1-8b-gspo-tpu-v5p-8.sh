@@ -45,8 +45,10 @@ export PYTHONUNBUFFERED=1
 command -v python3.12 >/dev/null || { python3 -m pip install --quiet uv && python3 -m uv python install 3.12 && ln -sf "$(python3 -m uv python find 3.12)" /usr/local/bin/python3.12; }
 
 
-# The venv: built once per distinct requirement set, under a lock so that concurrent segments
-# and runs never build it twice; a build that died leaves no ready marker and is redone.
+# The venv: built here (this machine's own disk) once per distinct requirement set, under a lock
+# so that concurrent segments never build it twice; a build that died leaves no ready marker and
+# is redone. Its requirements (the run's requirements.txt):
+#   maxtext[tpu-post-train]==0.2.5
 venv=/var/lib/hpcrl/venvs/3bb47bc746f4
 mkdir -p "$(dirname "$venv")"
 (

@@ -62,21 +62,25 @@ export VLLM_ATTENTION_BACKEND=XFORMERS
 export PYTHONUNBUFFERED=1
 
 
-# The venv: built once per distinct requirement set, under a lock so that concurrent segments
-# and runs never build it twice; a build that died leaves no ready marker and is redone.
+# The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
+# the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
+# /global/common). The job only checks that it is ready and activates it; it writes nothing there.
+# Its requirements:
+#   verl[vllm]==0.9.1
+#   torch==2.11.0
+#   torchvision==0.26.0
+#   torchaudio==2.11.0
+#   vllm==0.24.0
+#   transformers==5.9.0
 venv=/global/common/software/m1234/hpcrl/venvs/5f186cc34b1c
-mkdir -p "$(dirname "$venv")"
-(
-  flock 9
-  if [ ! -f "$venv/.hpcrl-ready" ]; then
-    echo "hpcrl: building venv $venv"
-    rm -rf "$venv"
-    python3 -m venv "$venv" &&
-      "$venv/bin/python" -m pip install --quiet --upgrade pip &&
-      "$venv/bin/python" -m pip install --quiet -r /pscratch/sd/u/user/hpcrl/runs/tinyzero-countdown-grpo/requirements.txt &&
-      touch "$venv/.hpcrl-ready" || { echo "hpcrl: venv build failed" >&2; exit 1; }
-  fi
-) 9>"$venv.lock" || { "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1; exit 1; }
+if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
+  hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: hpcrl venv build --run tinyzero-countdown-grpo"
+  echo "hpcrl: $hpcrl_why" >&2
+  echo "$hpcrl_why" > "$HPCRL_RUN_DIR/trainer_error.txt"
+  "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
+  exit 1
+fi
+echo "hpcrl: venv $venv (ready since $(date -r "$venv/.hpcrl-ready" '+%F %T'))"
 source "$venv/bin/activate"
 trainer_py="$venv/bin/python"
 
