@@ -172,7 +172,7 @@ def test_requirements_pin_verl_and_its_torch():
 def test_files_ship_launcher_and_reward(tmp_path):
     _, ctx = ctx_for(base_args(), run_dir=tmp_path)
     files = VerlTrainer().files(ctx)
-    assert set(files) == {"verl/launch.py", "verl/rewards.py"}
+    assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py"}  # the code reward imports it
     assert "def compute_score(" in files["verl/rewards.py"]
 
 
@@ -497,3 +497,27 @@ def test_a_signal_at_once_after_verl_starts_is_handled(tmp_path):
     body = 'trap "exit 7" TERM\nkill -USR1 $PPID; kill -TERM $PPID\nfor i in $(seq 100); do sleep 0.2; done\nexit 3\n'
     result = run_launcher(tmp_path, fake_verl(tmp_path, body), 3600)
     assert result.returncode == 7, result.stderr
+
+
+@needs_verl
+def test_code_reward_through_verls_loader_scores_a_code_row(tmp_path):
+    """The shipped RUN/verl/rewards.py imports the sandbox from beside itself: verl loads it by
+    path (a module without a package), where `from . import sandbox` failed (issue 23)."""
+    from hpcrl.rl.data import code_row
+
+    _, ctx = ctx_for(base_args(), run_dir=tmp_path)
+    for rel, text in VerlTrainer().files(ctx).items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    fn_cfg = compose(VerlTrainer().overrides(ctx)).reward.custom_reward_function
+    score = _verl_import_utils().load_extern_object(module_path=fn_cfg.path, object_name=fn_cfg.name)
+    row = code_row("add", ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"], "test", 0)
+
+    def call(response):
+        return score(data_source=row["data_source"], solution_str=response,
+                     ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
+
+    good = call("```python\ndef add(a, b):\n    return a + b\n```")
+    assert good["score"] == 1.0 and good["all_passed"] == 1.0, good
+    half = call("```python\ndef add(a, b):\n    return 5\n```")
+    assert half["score"] == 0.5 and half["pass_rate"] == 0.5, half

@@ -41,6 +41,7 @@ _ROLLOUT_PINS = {
 TRACKER = "latest_checkpointed_iteration.txt"
 LAUNCH_FILE = "verl/launch.py"
 REWARD_FILE = "verl/rewards.py"
+SANDBOX_FILE = "verl/sandbox.py"  # rewards.py's code reward imports it from beside itself (verl loads by path)
 
 # algorithm -> overrides that define it (GSPO as in verl's examples/gspo_trainer; PPO as TinyZero)
 ALGORITHMS = {
@@ -162,6 +163,7 @@ class VerlTrainer(Trainer):
         out = {LAUNCH_FILE: (here / "verl_launch.py").read_text(encoding="utf-8")}
         if ctx.args["reward"] == "hpcrl":
             out[REWARD_FILE] = (here.parent / "rl" / "rewards.py").read_text(encoding="utf-8")
+            out[SANDBOX_FILE] = (here.parent / "rl" / "sandbox.py").read_text(encoding="utf-8")
         return out
 
     def overrides(self, ctx: TrainerContext) -> list[str]:
