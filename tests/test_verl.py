@@ -233,7 +233,12 @@ def test_bootstrap_starts_ray_through_srun_and_waits_for_all_nodes():
     script = ray_bootstrap("python3", nodes=3, gpus_per_node=4, port=6379)
     assert script.count("srun --nodes=1 --ntasks=1 --overlap -w") == 3  # ip, head, each worker
     assert "start --head" in script and 'start --address "$RAY_ADDRESS"' in script
-    assert "-ge 3" in script and "export RAY_ADDRESS=" in script
+    assert "export RAY_ADDRESS=" in script
+    # the workers start once Ray itself reports the head alive, and the driver once all 3 nodes
+    # are: asked of Ray's API (bounded), never a fixed sleep
+    head, worker = script.index("start --head"), script.index('start --address "$RAY_ADDRESS"')
+    assert head < script.index("hpcrl_ray_join 1 300") < worker < script.index("hpcrl_ray_join 3 300")
+    assert "ray.nodes()" in script and not re.search(r"^\s*sleep \d\d", script, re.M)
 
 
 def test_checkpoint_step_needs_tracker_and_directory(tmp_path):
