@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -82,7 +83,11 @@ def test_recipe_overrides_compose_to_the_intended_values(name):
     assert cfg.trainer.n_gpus_per_node == spec["resources"]["gpus_per_node"] and cfg.trainer.nnodes == 1
     assert list(cfg.trainer.logger) == ["console", "file"]
     env_vars = cfg.ray_kwargs.ray_init.runtime_env.env_vars
-    assert env_vars.MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP == "1800000000"  # a str, as Ray requires
+    # a str, as Ray requires; moved by verl's fixed 60 s less the stop margin (esi_timestamp)
+    assert env_vars.MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP == str(1_800_000_000 + 60 - 10)
+    # every segment logs to one wandb run: the run's id, resumed (wandb reads these; verl passes no id)
+    assert (env_vars.WANDB_RUN_ID, env_vars.WANDB_RESUME) == (ctx.run_dir.name, "allow")
+    assert "WANDB_API_KEY" not in env_vars  # the key stays in the job's environment, never in the argv
     assert env_vars.VERL_FILE_LOGGER_PATH == str(ctx.run_dir / "verl-metrics" / "segment-002.jsonl")
     assert cfg.reward.custom_reward_function.path == str(ctx.run_dir / "verl" / "rewards.py")
     assert cfg.reward.custom_reward_function.name == "compute_score"
@@ -167,7 +172,7 @@ def test_requirements_pin_verl_and_its_torch():
 def test_files_ship_launcher_and_reward(tmp_path):
     _, ctx = ctx_for(base_args(), run_dir=tmp_path)
     files = VerlTrainer().files(ctx)
-    assert set(files) == {"verl/launch.py", "verl/rewards.py"}
+    assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py"}  # the code reward imports it
     assert "def compute_score(" in files["verl/rewards.py"]
 
 
@@ -228,7 +233,12 @@ def test_bootstrap_starts_ray_through_srun_and_waits_for_all_nodes():
     script = ray_bootstrap("python3", nodes=3, gpus_per_node=4, port=6379)
     assert script.count("srun --nodes=1 --ntasks=1 --overlap -w") == 3  # ip, head, each worker
     assert "start --head" in script and 'start --address "$RAY_ADDRESS"' in script
-    assert "-ge 3" in script and "export RAY_ADDRESS=" in script
+    assert "export RAY_ADDRESS=" in script
+    # the workers start once Ray itself reports the head alive, and the driver once all 3 nodes
+    # are: asked of Ray's API (bounded), never a fixed sleep
+    head, worker = script.index("start --head"), script.index('start --address "$RAY_ADDRESS"')
+    assert head < script.index("hpcrl_ray_join 1 300") < worker < script.index("hpcrl_ray_join 3 300")
+    assert "ray.nodes()" in script and not re.search(r"^\s*sleep \d\d", script, re.M)
 
 
 def test_checkpoint_step_needs_tracker_and_directory(tmp_path):
@@ -278,10 +288,13 @@ def test_metrics_of_earlier_segments_give_step_times(tmp_path):
     d.mkdir()
     (d / "segment-001.jsonl").write_bytes((DATA / "file_logger_segment.jsonl").read_bytes())
     times = verl_launch.past_step_times(tmp_path, segment=2)
-    assert times == [61.5, 58.25]
+    assert times == [58.25]  # the segment's first step is verl's warm-up: not what the next one takes
     records, _ = verl_launch.read_verl_metrics(d / "segment-001.jsonl")
     assert verl_launch.hpcrl_record(records[-1]) == {"step": 2, "trainer": "verl", "reward": 0.125,
                                                     "step_s": 58.25, "pg_loss": -0.01, "response_len": 402.5}
+    # with its segment and time, as the built-in trainer's records: `status` computes goodput from them
+    assert verl_launch.hpcrl_record(records[-1], 3, 1000.0)["segment"] == 3
+    assert verl_launch.hpcrl_record(records[-1], 3, 1000.0)["time"] == 1000.0
 
 
 def test_prune_keeps_newest_complete_and_drops_torn(tmp_path):
@@ -341,13 +354,14 @@ def test_launcher_passes_through_completion(tmp_path):
 
 
 def test_launcher_stops_verl_after_last_save_and_exits_continue(tmp_path):
-    # "verl" logs a 30 s step and saves step 1; only 60 s are left, so another step + save cannot fit
+    # "verl" logs a 30 s step and saves step 1; only 35 s are left, so another step + save + the
+    # stop margin (30 + 1 + 10 s) cannot fit
     body = f"""M="$VERL_FILE_LOGGER_PATH"; C={shlex.quote(str(tmp_path / 'ckpt'))}
 echo '{{"step": 1, "data": {{"timing_s/step": 30.0, "critic/score/mean": 0.5}}}}' >> "$M"
 mkdir -p "$C/global_step_1"; echo 1 > "$C/latest_checkpointed_iteration.txt"
 sleep 50
 """
-    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 60)
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35)
     assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
     assert "stopping verl for continuation" in result.stderr
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["reward"] == 0.5
@@ -363,7 +377,7 @@ sleep 1.5
 echo '{{"step": 2, "data": {{"timing_s/step": 30.0, "critic/score/mean": 0.5}}}}' >> "$M"
 sleep 50
 """
-    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 60)
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35)
     assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
     assert "verl saved step 2; the next save would not fit" in result.stderr
     assert [json.loads(x)["step"] for x in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
@@ -376,7 +390,7 @@ mkdir -p "$C/global_step_2"; echo 2 > "$C/latest_checkpointed_iteration.txt"
 sleep 50
 """
     t0 = time.monotonic()
-    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 60, metrics_wait_s=1)
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35, metrics_wait_s=1)
     assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
     assert "(its metrics for step 2 did not come)" in result.stderr
     assert time.monotonic() - t0 < 30
@@ -419,3 +433,96 @@ def test_countdown_reward_through_verls_loader_and_call(tmp_path):
     assert call("no answer tag at all") == 0.0
     gsm = score(data_source="openai/gsm8k", solution_str="so 6 + 7 = 13\n#### 13", ground_truth="13", extra_info=extra)
     assert gsm == 1.0
+
+
+# ------------------------------------------------------------------ the segment boundary (issue 23)
+
+
+def test_tracker_past_the_last_record_goes_back_to_the_recorded_checkpoint(tmp_path):
+    for s in (121, 122):
+        (tmp_path / f"global_step_{s}").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("122")
+    assert verl_launch.align_tracker(tmp_path, 121) == 121
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "121"
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_121"]
+    assert verl_launch.align_tracker(tmp_path, 121) is None  # nothing left to do
+    assert verl_launch.align_tracker(tmp_path, 125) is None  # records past the tracker (a hard kill): verl retrains
+
+
+def test_tracker_stays_when_the_recorded_step_has_no_checkpoint(tmp_path):
+    (tmp_path / "global_step_20").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    assert verl_launch.align_tracker(tmp_path, 19) is None  # step 19 was never saved: keep 20's training
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert (tmp_path / "global_step_20").is_dir()
+
+
+def test_launcher_waits_for_verls_actors_and_resumes_from_the_last_recorded_step(tmp_path):
+    # verl's TaskRunner actor is no child of the driver's process group (a Ray worker): stopped,
+    # the driver exits at once while the actor trains on, saves step 3 (inside the deadline window
+    # verl saves every step) and dies before it logs it. The launcher must wait for it and leave
+    # the tracker at step 2, the last step with a record, not 3 (segment 2 would begin at 4).
+    c = shlex.quote(str(tmp_path / "ckpt"))
+    actor = f"""M="$VERL_FILE_LOGGER_PATH"; C={c}
+mkdir -p "$C/global_step_1"; echo 1 > "$C/latest_checkpointed_iteration.txt"
+echo '{{"step": 1, "data": {{"timing_s/step": 30.0}}}}' >> "$M"
+sleep 3
+mkdir -p "$C/global_step_2"; echo 2 > "$C/latest_checkpointed_iteration.txt"
+echo '{{"step": 2, "data": {{"timing_s/step": 30.0}}}}' >> "$M"
+mkdir -p "$C/global_step_3"; echo 3 > "$C/latest_checkpointed_iteration.txt"
+"""
+    (tmp_path / "actor.sh").write_text(actor)
+    body = f"setsid bash {shlex.quote(str(tmp_path / 'actor.sh'))} &\nsleep 50\n"
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35)
+    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2", result.stderr
+    assert not (ckpt / "global_step_3").exists() and (ckpt / "global_step_2").is_dir()
+    assert "verl saved step 3 but its record was lost" in result.stderr
+    # the actor's record written after the driver exited still reaches the run's metrics
+    assert [json.loads(x)["step"] for x in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_term_before_verl_starts_is_not_lost(tmp_path):
+    marker = tmp_path / "verl-started"
+    sup = verl_launch.Supervisor(opts(), ["touch", str(marker)], dict(os.environ), tmp_path, [])
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    try:
+        sup.forward(signal.SIGTERM, None)  # the batch shell's TERM, before verl exists
+        assert sup.run() == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGUSR1, old[1])
+    assert not marker.exists()  # verl was never started, so nothing runs on unwatched
+
+
+def test_a_signal_at_once_after_verl_starts_is_handled(tmp_path):
+    # "verl" signals the launcher first thing: USR1 must not kill it (its default action) and the
+    # TERM must reach verl, whose exit code the launcher returns
+    body = 'trap "exit 7" TERM\nkill -USR1 $PPID; kill -TERM $PPID\nfor i in $(seq 100); do sleep 0.2; done\nexit 3\n'
+    result = run_launcher(tmp_path, fake_verl(tmp_path, body), 3600)
+    assert result.returncode == 7, result.stderr
+
+
+@needs_verl
+def test_code_reward_through_verls_loader_scores_a_code_row(tmp_path):
+    """The shipped RUN/verl/rewards.py imports the sandbox from beside itself: verl loads it by
+    path (a module without a package), where `from . import sandbox` failed (issue 23)."""
+    from hpcrl.rl.data import code_row
+
+    _, ctx = ctx_for(base_args(), run_dir=tmp_path)
+    for rel, text in VerlTrainer().files(ctx).items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    fn_cfg = compose(VerlTrainer().overrides(ctx)).reward.custom_reward_function
+    score = _verl_import_utils().load_extern_object(module_path=fn_cfg.path, object_name=fn_cfg.name)
+    row = code_row("add", ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"], "test", 0)
+
+    def call(response):
+        return score(data_source=row["data_source"], solution_str=response,
+                     ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
+
+    good = call("```python\ndef add(a, b):\n    return a + b\n```")
+    assert good["score"] == 1.0 and good["all_passed"] == 1.0, good
+    half = call("```python\ndef add(a, b):\n    return 5\n```")
+    assert half["score"] == 0.5 and half["pass_rate"] == 0.5, half

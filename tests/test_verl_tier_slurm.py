@@ -16,7 +16,7 @@ import os
 import pytest
 
 from helpers import hpcrl, wait_for_run
-from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, TINY_ARGS, TRACKER, job_env, no_ray_left,  # noqa: F401 (fixtures)
+from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, STEPS_PER_EPOCH, TINY_ARGS, TRACKER, job_env, no_ray_left,  # noqa: F401 (fixtures)
                             segment_metrics, tiny, trained_steps, verl_python)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-nodes"), pytest.mark.timeout(1200)]
@@ -42,7 +42,9 @@ def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resu
     # save, exit 85), however fast this machine is today; max_segments then stops the run
     sets.update({f"args.{k}": ("null" if v is None else v) for k, v in {**TINY_ARGS, "total_training_steps": 10_000,
                                                                          "total_epochs": 1000, "save_freq": 1000}.items()})
-    sets.update({f"env.{k}": v for k, v in CPU_ENV.items()})
+    # wandb offline (no network): verl's own tracking in its Ray actor writes a run per segment
+    sets.update({f"env.{k}": v for k, v in {**CPU_ENV, "WANDB_MODE": "offline"}.items()})
+    sets["args.logger"] = "wandb"
     # 4.8-minute segments: under heavy load verl's start-up alone took a 3-minute one (CI run)
     argv = ["submit", spec, "--site", "testcluster", "--name", name, "--hours", "0.08", "--total-hours", "1",
             "--max-segments", "2"]
@@ -60,10 +62,33 @@ def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resu
     script = run.layout.script.read_text()
     assert "start --head" in script and "RAY_AUTH_MODE=token" in script  # the bootstrap ran, not verl's own Ray
     first, second = trained_steps(segment_metrics(run.dir, 1)), trained_steps(segment_metrics(run.dir, 2))
+    assert_trained_through_the_boundary(run, segs, first, second)
+    assert_one_wandb_run(run)
+    no_ray_left()
+
+
+def assert_trained_through_the_boundary(run, segs, first, second):
+    """Training, not only records: each segment ends on a checkpoint of its last trained step
+    (the tracker hpcrl read at the segment's end), the next one resumes from exactly that step,
+    and verl's own step counter and epoch (its data position) run on without a gap."""
     assert first and first == list(range(1, len(first) + 1)), first
-    assert second and second[0] == first[-1] + 1 and second == list(range(second[0], second[-1] + 1)), second
-    assert segs[0]["end_step"] == first[-1] and segs[1]["end_step"] == second[-1], segs
+    assert segs[0]["end_step"] == first[-1], (segs, first[-3:])  # segment 1's checkpoint = its last trained step
+    assert second and second[0] == segs[0]["end_step"] + 1, (segs, second[:3])  # resumed right after it
+    assert second == list(range(second[0], second[-1] + 1)) and segs[1]["end_step"] == second[-1], (segs, second)
+    for n in (1, 2):
+        for rec in segment_metrics(run.dir, n):
+            if "timing_s/step" in rec["data"]:
+                assert rec["data"]["training/global_step"] == rec["step"], rec
+                # an epoch that does not match the step is a skipped or repeated batch
+                assert rec["data"]["training/epoch"] == (rec["step"] - 1) // STEPS_PER_EPOCH, (n, rec["step"], rec["data"]["training/epoch"])
     ckpt = run.layout.checkpoints
     assert (ckpt / TRACKER).read_text().strip() == str(second[-1])
     assert (ckpt / f"global_step_{second[-1]}" / "actor").is_dir()
-    no_ray_left()
+
+
+def assert_one_wandb_run(run):
+    """Both segments logged to one wandb run: wandb offline writes a run directory per process
+    (offline-run-<date_time>-<id>); the id is the run's, the same in each segment."""
+    dirs = sorted((run.dir / "wandb").glob("offline-run-*"))
+    ids = {d.name.split("-", 3)[-1] for d in dirs}
+    assert len(dirs) == 2 and ids == {run.id}, [d.name for d in dirs]

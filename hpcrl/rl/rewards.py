@@ -132,12 +132,37 @@ def gsm8k_score(solution_str: str, ground_truth, method: str = "strict", format_
 # ------------------------------------------------------------------ code (sandboxed tests)
 
 CODE_FORMAT_SCORE = 0.0  # share of the score for a fenced ```python block (0: tests only)
+SANDBOX_FILE = "sandbox.py"  # beside this file: in hpcrl/rl, and in RUN/verl where verl loads both by path
+
+
+def _sandbox():
+    """hpcrl.rl.sandbox, or, where verl loaded this file by path (import_utils.load_module: a
+    module with no package, so `from . import sandbox` fails), the sandbox.py shipped beside it."""
+    if __package__:
+        from . import sandbox
+
+        return sandbox
+    import sys
+
+    name = "hpcrl_verl_sandbox"  # registered: the sandbox's dataclasses look their module up by name
+    if name not in sys.modules:
+        path = Path(__file__).resolve().with_name(SANDBOX_FILE)
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or not path.is_file():
+            raise ImportError(f"code reward: {path} is missing (it ships beside rewards.py)")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def _code_job(solution_str: str, ground_truth):
     """(program, tests) of one sample: the extracted code after the row's optional `prefix`."""
-    from . import sandbox
-
+    sandbox = _sandbox()
     if isinstance(ground_truth, str):
         ground_truth = json.loads(ground_truth)
     if not isinstance(ground_truth, dict) or not isinstance(ground_truth.get("tests"), list):
@@ -148,8 +173,7 @@ def _code_job(solution_str: str, ground_truth):
 
 
 def _code_result(res, solution_str: str, format_score: float) -> dict:
-    from . import sandbox
-
+    sandbox = _sandbox()
     fmt = format_score if format_score and sandbox.has_fenced_block(solution_str) else 0.0
     # judged_inside: share of the row's tests whose verdict came from the program's process (not
     # split into call and expected value, docs/adapt.md): 0 means the score cannot be forged
@@ -160,8 +184,7 @@ def _code_result(res, solution_str: str, format_score: float) -> dict:
 
 def code_score(solution_str: str, ground_truth, format_score: float = CODE_FORMAT_SCORE, limits=None) -> dict:
     """Run the answer's code against ground_truth['tests'] in the sandbox (hpcrl/rl/sandbox.py)."""
-    from . import sandbox
-
+    sandbox = _sandbox()
     code, tests = _code_job(solution_str, ground_truth)
     return _code_result(sandbox.run_tests(code, tests, limits or sandbox.Limits()), solution_str, format_score)
 
@@ -169,8 +192,7 @@ def code_score(solution_str: str, ground_truth, format_score: float = CODE_FORMA
 def code_score_batch(solution_strs, ground_truths, format_score: float = CODE_FORMAT_SCORE, limits=None,
                      workers: int = 0, dedupe: bool = True) -> list:
     """code_score over a batch, run by the sandbox's bounded pool."""
-    from . import sandbox
-
+    sandbox = _sandbox()
     jobs = [_code_job(s, gt) for s, gt in zip(solution_strs, ground_truths)]
     results = sandbox.run_batch(jobs, limits or sandbox.Limits(), workers, dedupe)
     return [_code_result(r, s, format_score) for r, s in zip(results, solution_strs)]

@@ -41,6 +41,7 @@ _ROLLOUT_PINS = {
 TRACKER = "latest_checkpointed_iteration.txt"
 LAUNCH_FILE = "verl/launch.py"
 REWARD_FILE = "verl/rewards.py"
+SANDBOX_FILE = "verl/sandbox.py"  # rewards.py's code reward imports it from beside itself (verl loads by path)
 
 # algorithm -> overrides that define it (GSPO as in verl's examples/gspo_trainer; PPO as TinyZero)
 ALGORITHMS = {
@@ -162,6 +163,7 @@ class VerlTrainer(Trainer):
         out = {LAUNCH_FILE: (here / "verl_launch.py").read_text(encoding="utf-8")}
         if ctx.args["reward"] == "hpcrl":
             out[REWARD_FILE] = (here.parent / "rl" / "rewards.py").read_text(encoding="utf-8")
+            out[SANDBOX_FILE] = (here.parent / "rl" / "sandbox.py").read_text(encoding="utf-8")
         return out
 
     def overrides(self, ctx: TrainerContext) -> list[str]:
@@ -405,8 +407,9 @@ fi
 
 
 def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str:
-    """Bash that starts a Ray head on the batch node and a worker on each other node (via srun),
-    waits until all `nodes` have joined, and exports RAY_ADDRESS for the driver.
+    """Bash that starts a Ray head on the batch node, waits until Ray reports it alive, starts a
+    worker on each other node (via srun), waits until Ray reports all `nodes` alive (each wait
+    bounded, and cut short when a Ray srun exits), and exports RAY_ADDRESS for the driver.
 
     As verl's examples/tutorial/slurm/ray_on_slurm.slurm, except that the driver runs in the
     batch shell itself: Slurm runs the batch script on the allocation's first node, which is the
@@ -446,28 +449,40 @@ hpcrl_ray_stop() {{
     echo "hpcrl: Ray stopped" >&2
 }}
 trap hpcrl_ray_stop EXIT
+hpcrl_ray_alive() {{  # alive Ray nodes, as Ray's own API counts them (empty while no head answers)
+    timeout 60 {q(python)} -c 'import ray; ray.init(address="auto", logging_level="ERROR"); print(sum(1 for n in ray.nodes() if n["Alive"]))' 2>/dev/null | tail -n 1
+}}
+hpcrl_ray_join() {{  # until $1 Ray nodes are alive, for at most $2 s; false at once when one of the Ray sruns exited
+    local end=$((SECONDS + $2)) pid
+    while :; do
+        hpcrl_alive=$(hpcrl_ray_alive)
+        [ "${{hpcrl_alive:-0}}" -ge "$1" ] 2>/dev/null && return 0
+        for pid in "${{hpcrl_ray_pids[@]}}"; do kill -0 "$pid" 2>/dev/null || return 1; done
+        [ "$SECONDS" -lt "$end" ] || return 1
+        sleep 2
+    done
+}}
+hpcrl_ray_failed() {{
+    echo "hpcrl: $1" >&2
+    # recorded as a failed segment (not a lost one), so crash-loop detection sees it
+    "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
+    exit 1
+}}
 srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \\
     {ray} start --head --node-ip-address="$hpcrl_head_ip" --port={q(str(port))} \\
     --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --disable-usage-stats --block &
 hpcrl_ray_pids+=($!)
-sleep 10
+hpcrl_alive=0
+# the workers join a head that answers (asked of Ray, not a fixed sleep: a loaded node's head can
+# take longer than any guess, a quiet one far less)
+hpcrl_ray_join 1 300 || hpcrl_ray_failed "the Ray head did not come up within 5 minutes"
 for hpcrl_node in "${{hpcrl_nodes[@]:1}}"; do
     srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \\
         {ray} start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} \\
         --disable-usage-stats --block &
     hpcrl_ray_pids+=($!)
 done
-hpcrl_alive=0
-for hpcrl_try in $(seq 1 60); do
-    hpcrl_alive=$({q(python)} -c 'import ray; ray.init(address="auto", logging_level="ERROR"); print(sum(1 for n in ray.nodes() if n["Alive"]))' 2>/dev/null | tail -n 1)
-    [ "${{hpcrl_alive:-0}}" -ge {q(str(nodes))} ] 2>/dev/null && break
-    sleep 5
-done
-if [ "${{hpcrl_alive:-0}}" -lt {q(str(nodes))} ] 2>/dev/null; then
-    echo "hpcrl: only ${{hpcrl_alive:-0}} of "{q(str(nodes))}" Ray nodes joined within 5 minutes" >&2
-    # recorded as a failed segment (not a lost one), so crash-loop detection sees it
-    "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
-    exit 1
-fi
+hpcrl_ray_join {q(str(nodes))} 300 ||
+    hpcrl_ray_failed "only ${{hpcrl_alive:-0}} of "{q(str(nodes))}" Ray nodes joined within 5 minutes"
 echo "hpcrl: Ray cluster up: $hpcrl_alive node(s) at $RAY_ADDRESS" >&2
 """

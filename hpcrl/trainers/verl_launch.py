@@ -10,10 +10,12 @@ batch script shows is the whole static verl command line; this script only appen
     trainer.logger=[console,file(,wandb)]  wandb only when WANDB_API_KEY is set
     trainer.save_freq=N                 in `periodic` mode, sized from step times measured in
                                         earlier segments (`--save-every-s`)
-    +ray_kwargs.ray_init.runtime_env.env_vars.*   the deadline as verl's ESI expiration timestamp
-                                        and the per-segment metrics file, so they reach the Ray
-                                        actors that read them (the driver's env does not,
-                                        when the Ray cluster was started before it)
+    +ray_kwargs.ray_init.runtime_env.env_vars.*   the deadline as verl's ESI expiration timestamp,
+                                        the per-segment metrics file, wandb's run id/resume/dir
+                                        (every segment logs to one wandb run) and this segment's
+                                        process tag, so they reach the Ray actors that read them
+                                        (the driver's env does not, when the Ray cluster was
+                                        started before it). Never a secret: the argv is logged.
 
 verl handles no signal, so this script is what talks the walltime protocol: verl exiting 0 by
 itself means training is complete (exit 0); once verl has saved a checkpoint and another step
@@ -43,6 +45,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 ESI_SAVE_S = 60  # verl's should_save_ckpt_esi(save_ckpt_duration=60) default
 METRICS_DIR = "verl-metrics"
+# In every process of this segment's verl (driver, local Ray, the job's Ray workers): the launcher
+# waits for them all to be gone before it reads the final tracker and records.
+TAG_ENV = "HPCRL_VERL_SEGMENT_TAG"
+# verl's should_save_ckpt_esi adds this much to its window; the launcher moves the timestamp it
+# feeds verl by as much, so the window is only the slowest step + save_time_s + STOP_MARGIN_S
+STOP_MARGIN_S = 10.0  # a stop (SIGTERM, the driver and its actors exiting) takes a few seconds
 # Inside its deadline window verl force-saves at EVERY step (checkpoint_manager.py
 # should_save_ckpt_esi is not one-shot), so each poll interval past the first deadline save costs
 # a whole checkpoint write per step: poll often (a stat and a small read).
@@ -117,20 +125,22 @@ def read_verl_metrics(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     return records, offset + end
 
 
-def step_times(records) -> list[float]:
+def step_times(records, skip_first: bool = False) -> list[float]:
+    """Seconds of each trained step. skip_first: drop the segment's first one, verl's warm-up
+    (~20 x a later step here), when later ones exist: it says nothing about the next step."""
     out = []
     for rec in records:
         value = rec["data"].get("timing_s/step")
         if isinstance(value, (int, float)) and value > 0:
             out.append(float(value))
-    return out
+    return out[1:] if skip_first and len(out) > 1 else out
 
 
 def past_step_times(run_dir: Path, segment: int) -> list[float]:
     times = []
     for seg in range(1, segment):
         records, _ = read_verl_metrics(metrics_path(run_dir, seg))
-        times += step_times(records)
+        times += step_times(records, skip_first=True)
     return times
 
 
@@ -165,13 +175,40 @@ def runtime_overrides(opts, env, run_dir: Path, times: list[float]) -> list[str]
         loggers.append("wandb")
     out.append(f"trainer.logger=[{','.join(loggers)}]")
     out.append(f"trainer.save_freq={sized_save_freq(opts, times)}")
-    env_vars = {"VERL_FILE_LOGGER_PATH": str(metrics_path(run_dir, segment))}
-    deadline = deadline_of(env)
-    if opts.save_mode == "deadline" and deadline is not None:
-        env_vars[ESI_ENV] = str(int(deadline))
-    for key, value in env_vars.items():
+    for key, value in actor_env(opts, env, run_dir).items():
         out.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_str(value)}")
     return out
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run's id, as the built-in trainer names its wandb run (hpcrl/rl/metrics.py): the run
+    directory's name, less what wandb forbids in an id."""
+    return re.sub(r"[/\\#?%:]", "-", Path(run_dir).resolve().name) or "hpcrl"
+
+
+def esi_timestamp(opts, deadline: float) -> int:
+    """What verl reads as its expiration time: the deadline moved by verl's fixed 60 s less our stop
+    margin, so verl's window (60 s + slowest step + esi_redundant_time) becomes slowest step +
+    save_time_s + STOP_MARGIN_S before the deadline: a save that fits, then the stop."""
+    return int(deadline + ESI_SAVE_S - STOP_MARGIN_S)
+
+
+def actor_env(opts, env, run_dir: Path) -> dict[str, str]:
+    """Environment verl's Ray actors need from this segment (through Ray's runtime env)."""
+    segment = segment_of(env)
+    out = {"VERL_FILE_LOGGER_PATH": str(metrics_path(run_dir, segment)), TAG_ENV: segment_tag(env, run_dir)}
+    deadline = deadline_of(env)
+    if opts.save_mode == "deadline" and deadline is not None:
+        out[ESI_ENV] = str(esi_timestamp(opts, deadline))
+    # one wandb run for all segments (resume=allow: the first creates it); verl's wandb.init
+    # passes no id, so wandb reads these. The API key stays in the job's environment only.
+    out.update({"WANDB_RUN_ID": wandb_run_id(run_dir), "WANDB_RESUME": "allow",
+                "WANDB_DIR": env.get("WANDB_DIR") or str(run_dir)})
+    return out
+
+
+def segment_tag(env, run_dir: Path) -> str:
+    return f"{Path(run_dir).resolve()}#{segment_of(env)}#{os.getpid()}"
 
 
 def should_stop(opts, seconds_left: float, times: list[float]) -> bool:
@@ -179,7 +216,7 @@ def should_stop(opts, seconds_left: float, times: list[float]) -> bool:
     if not times:
         return False  # no step measured yet: nothing to size the decision with
     steps_to_next_save = 1 if opts.save_mode == "deadline" else max(1, opts.save_freq)
-    need_s = steps_to_next_save * max(times) + opts.save_time_s + ESI_SAVE_S
+    need_s = steps_to_next_save * max(times) + opts.save_time_s + STOP_MARGIN_S
     return seconds_left < need_s
 
 
@@ -247,8 +284,17 @@ def unsaved_end(trained: int | None, saved: int | None, run_dir: Path | None = N
     return EXIT_UNSAVED_END
 
 
-def hpcrl_record(rec: dict) -> dict:
+def hpcrl_record(rec: dict, segment: int | None = None, now: float | None = None) -> dict:
+    """A verl FileLogger record as a metrics.jsonl record: the segment and the time the launcher
+    read it (within POLL_S of verl logging it) give `status` its goodput and ETA, as the built-in
+    trainer's records do; a record without a step time is verl's validation."""
     out = {"step": rec.get("step"), "trainer": "verl"}
+    if segment is not None:
+        out["segment"] = segment
+    if now is not None:
+        out["time"] = round(now, 3)
+    if not isinstance(rec["data"].get("timing_s/step"), (int, float)):
+        out["phase"] = "eval"
     for src, dst in METRIC_KEYS.items():
         if isinstance(rec["data"].get(src), (int, float)):
             out[dst] = rec["data"][src]
@@ -264,17 +310,22 @@ class Supervisor:
     def __init__(self, opts, argv, env, run_dir: Path, times: list[float]):
         self.opts, self.argv, self.env, self.run_dir = opts, argv, env, run_dir
         self.times = list(times)
-        self.metrics_file = metrics_path(run_dir, segment_of(env))
+        self.segment = segment_of(env)
+        self.metrics_file = metrics_path(run_dir, self.segment)
         self.offset = 0
         self.last_ckpt = read_tracker(Path(opts.ckpt_dir))
         self.proc = None
+        self.term = False  # SIGTERM came (maybe before verl started)
         self.stopped_for_continue = False
         self.stop_after = None  # (saved step, when decided): stop once its metrics are logged
         self.last_logged = None  # the highest step verl logged a training record for
+        self.warmup_s = None  # the segment's first step (verl's warm-up): a step time only while alone
 
     def forward(self, signum, frame):
-        if signum == signal.SIGTERM and self.proc is not None:
-            self._signal_group(signal.SIGTERM)
+        if signum == signal.SIGTERM:
+            self.term = True
+            if self.proc is not None:
+                self._signal_group(signal.SIGTERM)
 
     def _signal_group(self, sig):
         try:
@@ -292,27 +343,31 @@ class Supervisor:
 
     def poll_once(self) -> None:
         records, self.offset = read_verl_metrics(self.metrics_file, self.offset)
-        self.times += step_times(records)
+        times = step_times(records)
+        if times and self.warmup_s is None:
+            self.warmup_s, times = times[0], times[1:]
+        self.times += times
         for rec in records:
             if isinstance(rec.get("step"), int) and "timing_s/step" in rec["data"]:
                 self.last_logged = max(rec["step"], self.last_logged or 0)
         sink = self.env.get(ENV_METRICS)
         if sink and records:
+            now = time.time()
             with open(sink, "a", encoding="utf-8") as f:
                 for rec in records:
-                    f.write(json.dumps(hpcrl_record(rec), sort_keys=True) + "\n")
+                    f.write(json.dumps(hpcrl_record(rec, self.segment, now), sort_keys=True) + "\n")
         step = read_tracker(Path(self.opts.ckpt_dir))
         deadline = deadline_of(self.env)
         if step is not None and step != self.last_ckpt:
             self.last_ckpt = step
             if (self.stop_after is None and deadline is not None
-                    and should_stop(self.opts, deadline - time.time(), self.times)):
+                    and should_stop(self.opts, deadline - time.time(), self.times or ([self.warmup_s] if self.warmup_s else []))):
                 self.stop_after = (step, time.monotonic())
         if self.stop_after is not None and not self.stopped_for_continue:
             saved, since = self.stop_after
             logged = self.last_logged is not None and self.last_logged >= saved
             late = time.monotonic() - since > METRICS_WAIT_S or (
-                deadline is not None and deadline - time.time() < STOP_GRACE_S)
+                deadline is not None and deadline - time.time() < STOP_MARGIN_S)
             if logged or late:
                 print(f"hpcrl: verl saved step {saved}; the next save would not fit before the "
                       f"deadline: stopping verl for continuation"
@@ -326,20 +381,121 @@ class Supervisor:
         steps = [r["step"] for r in records if isinstance(r.get("step"), int) and "timing_s/step" in r["data"]]
         return max(steps) if steps else None
 
+    def settle(self) -> None:
+        """After verl's driver exited: wait for the rest of this segment's verl (its Ray actors
+        outlive the driver by seconds and keep training and saving), then make the tracker name a
+        step whose record was logged (align_tracker)."""
+        deadline = deadline_of(self.env)
+        limit = STOP_GRACE_S if deadline is None else max(5.0, min(STOP_GRACE_S, deadline - time.time()))
+        left = wait_gone(self.env[TAG_ENV], limit) if self.env.get(TAG_ENV) else []
+        if left:
+            print(f"hpcrl: {len(left)} verl process(es) still running after {limit:.0f} s: killing them",
+                  file=sys.stderr, flush=True)
+            kill_pids(left)
+        self.poll_once()
+        align_tracker(Path(self.opts.ckpt_dir), recorded_step(self.run_dir, self.segment))
+
     def run(self) -> int:
         Path(self.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        # Handlers first: a TERM or USR1 from the batch shell just as the segment starts must not
+        # kill the launcher (USR1's default action) or be lost before verl exists. USR1 gets a
+        # handler that does nothing, not SIG_IGN, which verl would inherit across exec.
         signal.signal(signal.SIGTERM, self.forward)
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # verl saves by the deadline itself (ESI)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # verl saves by the deadline itself (ESI)
+        if self.term:
+            return 128 + signal.SIGTERM
+        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        if self.term:  # came between the check and Popen
+            self._signal_group(signal.SIGTERM)
         while self.proc.poll() is None:
             time.sleep(POLL_S)
             self.poll_once()
-        self.poll_once()
+        if self.stopped_for_continue or self.term:
+            self.settle()
+        else:
+            self.poll_once()
         if self.stopped_for_continue:
             return EXIT_CONTINUE
         if self.proc.returncode == 0:
             return unsaved_end(self.last_trained_step(), read_tracker(Path(self.opts.ckpt_dir)), self.run_dir)
         return self.proc.returncode if self.proc.returncode >= 0 else 128 - self.proc.returncode
+
+
+# ------------------------------------------------------------------ the segment boundary
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Processes on this node whose environment carries `tag` (TAG_ENV), this one excepted."""
+    needle = f"{TAG_ENV}={tag}\0".encode()
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []  # no /proc: nothing to wait for
+    for name in entries:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read():
+                    out.append(int(name))
+        except OSError:
+            continue
+    return out
+
+
+def wait_gone(tag: str, limit_s: float) -> list[int]:
+    """Wait up to limit_s for this segment's processes to exit; the pids still there."""
+    end = time.monotonic() + limit_s
+    while True:
+        left = tagged_pids(tag)
+        if not left or time.monotonic() >= end:
+            return left
+        time.sleep(0.5)
+
+
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    time.sleep(1.0)
+
+
+def recorded_step(run_dir: Path, upto_segment: int) -> int | None:
+    """The highest step any segment up to `upto_segment` logged a training record for."""
+    steps = []
+    for seg in range(1, upto_segment + 1):
+        records, _ = read_verl_metrics(metrics_path(run_dir, seg))
+        steps += [r["step"] for r in records if isinstance(r.get("step"), int) and "timing_s/step" in r["data"]]
+    return max(steps) if steps else None
+
+
+def align_tracker(ckpt_dir: Path, recorded: int | None) -> int | None:
+    """The segment boundary race (issue 23): verl saves a step before it logs it (ray_trainer.fit:
+    _save_checkpoint, update_weights, then logger.log), and a stopped verl's actors keep training
+    for seconds after its driver is gone, saving every step inside the deadline window. Stopped
+    between a save and its log, the tracker names a step that was trained but has no record, and
+    the next segment starts one past it (records ...121, 123...). Point the tracker back at the
+    newest checkpoint whose step was recorded and drop the newer ones: the next segment trains
+    that step again (one step of compute) instead of leaving a hole in the run's history.
+    Returns the step the tracker now names when it moved it."""
+    tracker = read_tracker(ckpt_dir)
+    if tracker is None or recorded is None or tracker <= recorded:
+        return None
+    if not (ckpt_dir / f"global_step_{recorded}").is_dir():
+        print(f"hpcrl: verl saved step {tracker} but logged no record for steps {recorded + 1}-{tracker}, and "
+              f"step {recorded} has no checkpoint to fall back to: keeping step {tracker}", file=sys.stderr, flush=True)
+        return None
+    tmp = ckpt_dir / (TRACKER + ".hpcrl-tmp")
+    tmp.write_text(str(recorded), encoding="utf-8")
+    os.replace(tmp, ckpt_dir / TRACKER)  # the tracker first: a crash here leaves extra dirs, not a hole
+    for step in range(recorded + 1, tracker + 1):
+        shutil.rmtree(ckpt_dir / f"global_step_{step}", ignore_errors=True)
+    print(f"hpcrl: verl saved step {tracker} but its record was lost when it stopped: the checkpoint of "
+          f"step {recorded} is the resume point (step {recorded + 1} is trained again)", file=sys.stderr, flush=True)
+    return recorded
 
 
 def main(argv=None) -> int:
@@ -348,15 +504,16 @@ def main(argv=None) -> int:
     run_dir = Path(env.get(ENV_RUN_DIR) or Path(opts.ckpt_dir).parent)
     times = past_step_times(run_dir, segment_of(env))
     if not opts.dry_run:
+        # a segment that ended without settling (killed, or its actors ran on another node)
+        align_tracker(Path(opts.ckpt_dir), recorded_step(run_dir, segment_of(env) - 1))
         prune_checkpoints(Path(opts.ckpt_dir), opts.keep)
     verl_argv = [opts.python, "-m", "verl.trainer.main_ppo", *expand_paths(opts.overrides, env),
                  *runtime_overrides(opts, env, run_dir, times)]
-    env["VERL_FILE_LOGGER_PATH"] = str(metrics_path(run_dir, segment_of(env)))
-    if opts.save_mode == "deadline" and deadline_of(env) is not None:
-        env[ESI_ENV] = str(int(deadline_of(env)))  # Ray started by the driver inherits this
+    env.update(actor_env(opts, env, run_dir))  # a Ray started by the driver inherits these
     print("hpcrl: running " + " ".join(verl_argv), file=sys.stderr, flush=True)
     if opts.dry_run:
-        print(json.dumps({"argv": verl_argv, "env": {k: env[k] for k in ("VERL_FILE_LOGGER_PATH", ESI_ENV) if k in env}}))
+        shown = ("VERL_FILE_LOGGER_PATH", ESI_ENV, "WANDB_RUN_ID", "WANDB_RESUME")
+        print(json.dumps({"argv": verl_argv, "env": {k: env[k] for k in shown if k in env}}))
         return 0
     return Supervisor(opts, verl_argv, env, run_dir, times).run()
 

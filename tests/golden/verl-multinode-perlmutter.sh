@@ -121,29 +121,41 @@ hpcrl_ray_stop() {
     echo "hpcrl: Ray stopped" >&2
 }
 trap hpcrl_ray_stop EXIT
+hpcrl_ray_alive() {  # alive Ray nodes, as Ray's own API counts them (empty while no head answers)
+    timeout 60 "$trainer_py" -c 'import ray; ray.init(address="auto", logging_level="ERROR"); print(sum(1 for n in ray.nodes() if n["Alive"]))' 2>/dev/null | tail -n 1
+}
+hpcrl_ray_join() {  # until $1 Ray nodes are alive, for at most $2 s; false at once when one of the Ray sruns exited
+    local end=$((SECONDS + $2)) pid
+    while :; do
+        hpcrl_alive=$(hpcrl_ray_alive)
+        [ "${hpcrl_alive:-0}" -ge "$1" ] 2>/dev/null && return 0
+        for pid in "${hpcrl_ray_pids[@]}"; do kill -0 "$pid" 2>/dev/null || return 1; done
+        [ "$SECONDS" -lt "$end" ] || return 1
+        sleep 2
+    done
+}
+hpcrl_ray_failed() {
+    echo "hpcrl: $1" >&2
+    # recorded as a failed segment (not a lost one), so crash-loop detection sees it
+    "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
+    exit 1
+}
 srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \
     bash -c 'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi; exec env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$@"' ray "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --head --node-ip-address="$hpcrl_head_ip" --port=6379 \
     --num-cpus "$hpcrl_ray_cpus" --num-gpus 4 --disable-usage-stats --block &
 hpcrl_ray_pids+=($!)
-sleep 10
+hpcrl_alive=0
+# the workers join a head that answers (asked of Ray, not a fixed sleep: a loaded node's head can
+# take longer than any guess, a quiet one far less)
+hpcrl_ray_join 1 300 || hpcrl_ray_failed "the Ray head did not come up within 5 minutes"
 for hpcrl_node in "${hpcrl_nodes[@]:1}"; do
     srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \
         bash -c 'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi; exec env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$@"' ray "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus 4 \
         --disable-usage-stats --block &
     hpcrl_ray_pids+=($!)
 done
-hpcrl_alive=0
-for hpcrl_try in $(seq 1 60); do
-    hpcrl_alive=$("$trainer_py" -c 'import ray; ray.init(address="auto", logging_level="ERROR"); print(sum(1 for n in ray.nodes() if n["Alive"]))' 2>/dev/null | tail -n 1)
-    [ "${hpcrl_alive:-0}" -ge 2 ] 2>/dev/null && break
-    sleep 5
-done
-if [ "${hpcrl_alive:-0}" -lt 2 ] 2>/dev/null; then
-    echo "hpcrl: only ${hpcrl_alive:-0} of "2" Ray nodes joined within 5 minutes" >&2
-    # recorded as a failed segment (not a lost one), so crash-loop detection sees it
-    "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
-    exit 1
-fi
+hpcrl_ray_join 2 300 ||
+    hpcrl_ray_failed "only ${hpcrl_alive:-0} of "2" Ray nodes joined within 5 minutes"
 echo "hpcrl: Ray cluster up: $hpcrl_alive node(s) at $RAY_ADDRESS" >&2
 
 
