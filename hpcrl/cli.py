@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="file to write (default: stdout; parquet needs a file)")
     sp.set_defaults(func=cmd_metrics)
     for name, help_ in (("data", "make datasets: countdown, gsm8k (needs hpcrl[rl])"),
-                        ("model", "build a tiny local model: model tiny --out DIR (needs hpcrl[rl])")):
+                        ("model", "get a model locally: model tiny|smollm2 --out DIR (needs hpcrl[rl])")):
         sp = sub.add_parser(name, help=help_, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(func=_rl_command(name))
