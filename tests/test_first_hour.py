@@ -84,6 +84,7 @@ def _no_run_left(home):
     ("{missing}", "does not exist"),
     ("{file}:scor", "defines no function 'scor' (did you mean 'score'?)"),
     ("my_reward.py", "is a relative path"),
+    ("countdown + nosuchpkg_f22.rewards:score", "module 'nosuchpkg_f22.rewards' is not importable by the trainer's python"),
 ])
 def test_a_reward_mistake_is_refused_at_submit_with_no_run_left(home, tmp_path, reward, said):
     file = tmp_path / "my_reward.py"
@@ -96,6 +97,24 @@ def test_a_reward_mistake_is_refused_at_submit_with_no_run_left(home, tmp_path, 
     assert _no_run_left(home)
     if "countdwn" in reward:  # a name is known without any file: render refuses it too
         assert said in hpcrl("render", "--trainer", "builtin", "--set", f"args.reward={reward}", check=False).stderr
+
+
+def test_an_importable_module_reward_is_accepted_at_submit(fast_local, tmp_path):
+    """The module is found where the job will run: the spec's env.PYTHONPATH counts, the directory
+    submit was run from does not (the job runs in its run directory)."""
+    from helpers import wait_for_run
+
+    pkg = tmp_path / "lib" / "myrewards_f22"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                     "    return 0.0\n")
+    argv = ["submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "mod",
+            "--set", "args.reward=myrewards_f22:score"]
+    r = hpcrl(*argv, check=False, cwd=tmp_path / "lib")
+    assert r.returncode == 2 and "'myrewards_f22' is not importable" in r.stderr, r.stderr
+    hpcrl(*argv, "--set", f"env.PYTHONPATH={tmp_path / 'lib'}")
+    hpcrl("cancel", "mod")
+    wait_for_run("mod", timeout=400)  # a trainer still loading torch on a busy machine ends when loaded
 
 
 def test_reward_names_of_the_schema_are_the_trainers():
