@@ -379,3 +379,54 @@ def test_perlmutter_doc_names_the_run_dir_files_a_run_has(fast_local):
     records = next(ln for ln in doc.splitlines() if "hpcrl's own records" in ln)
     named = re.findall(r"[\w.-]+\.\w+|[\w-]+/", records)
     assert named and all((run_dir("files") / n.rstrip("/")).exists() for n in named), named
+
+
+# ---------------------------------------------------------------- truthful after faults; the progress line
+
+
+def test_a_lost_segments_checkpointing_flag_goes_when_the_next_segment_begins(fast_local):
+    """A segment hard-killed while saving never runs its end hook: its .checkpointing flag must not
+    make the next segment show CHECKPOINTING throughout."""
+    from helpers import run_dir, run_state, wait_for_run, wait_until
+
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.01", "--max-segments", "2",
+          "--name", "flag", "--set", "args.steps=100000", "--set", "args.step_time_s=0.05")
+    wait_until(lambda: run_state("flag")["state"] == "RUNNING", 120, "segment 1 to run")
+    rdir = run_dir("flag")
+    (rdir / ".checkpointing").write_text("")  # as the script leaves it when killed while saving
+    assert json.loads(hpcrl("status", "flag", "--json").stdout)[0]["state"] == "CHECKPOINTING"
+    # the next segment's begin hook, as a job the user queued by hand runs it (sbatch job.sh)
+    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "_segment", "begin", str(rdir), "--job-id", "by-hand"],
+                       capture_output=True, text=True)
+    state = run_state("flag")
+    lost = [s for s in state["segments"] if s.get("k") == 1][0]
+    assert lost["state"] == "LOST" and not (rdir / ".checkpointing").exists(), (r.stdout, r.stderr, state)
+    assert json.loads(hpcrl("status", "flag", "--json").stdout)[0]["state"] != "CHECKPOINTING"
+    hpcrl("cancel", "flag", check=False)
+    # the hand-run job's own end hook (there is no such job to end it)
+    subprocess.run([sys.executable, "-m", "hpcrl.cli", "_segment", "end", str(rdir), "--job-id", "by-hand", "--rc", "85"],
+                   check=True)
+    wait_for_run("flag", timeout=120)
+
+
+def test_finish_estimate_right_after_a_segment_starts_and_progress_line_fits_80_columns():
+    from hpcrl import draw, progress
+    from hpcrl.results import segment_timings
+
+    T = 1_000_000.0
+    segs = [{"k": 1, "job_id": "1", "state": "CONTINUE", "started": T, "ended": T + 36, "end_step": 26},
+            {"k": 2, "job_id": "2", "state": "RUNNING", "started": T + 37, "start_step": 26}]
+    state = {"run_id": "r", "state": "RUNNING", "segments": segs,
+             "budget": {"hours": 0.01, "total_hours": None, "max_segments": 20}}
+    timings = segment_timings([{"step": s, "segment": 1, "time": T + 6 + s} for s in range(1, 27)])
+    facts = progress.RunFacts(total_steps=100, walltime_s=36, stop_lead_s=4)
+    eta = progress.eta(state, timings, facts, step=26, now=T + 38)  # segment 2 has no step yet
+    assert eta["finish_time"] is not None and eta["steps_per_s"] == 1.0
+    row = {"id": "countdown-tiny-20261204-081503-with-a-rather-long-name", "state": "CHECKPOINTING",
+           "segments": 12, "segments_planned": 150, "step": 12345, "metric_name": "eval/reward_mean",
+           "metric": 0.74691, "eta": {**eta, "total_steps": 123456}}
+    for width in (80, 60, 40):
+        text = draw.progress_text(row, width).plain
+        assert len(text) <= width and "\u2026" not in text, text
+        assert text.startswith("CHECKPOINTING") and "seg 12/150" in text
+    assert "ETA" in draw.progress_text(row, 80).plain
