@@ -430,3 +430,21 @@ def test_finish_estimate_right_after_a_segment_starts_and_progress_line_fits_80_
         assert len(text) <= width and "\u2026" not in text, text
         assert text.startswith("CHECKPOINTING") and "seg 12/150" in text
     assert "ETA" in draw.progress_text(row, 80).plain
+
+
+def test_logs_follow_ends_on_a_final_run_whose_segment_never_closed(home, tmp_path):
+    """`hpcrl cancel` of a segment killed before its end hook leaves it recorded as RUNNING in a
+    CANCELLED run: `logs -f` (and the demo that follows it) must not wait on it for ever."""
+    import io
+
+    from hpcrl import report, runs
+
+    rdir = tmp_path / "runs" / "stuck"
+    (rdir / "logs").mkdir(parents=True)
+    (rdir / "logs" / "job-7.log").write_text("hpcrl: TERM: stop now\n")
+    (rdir / "state.json").write_text(json.dumps({"run_id": "stuck", "state": "CANCELLED", "segments": [
+        {"k": 1, "job_id": "7", "state": "RUNNING", "started": 1.0}], "budget": {"hours": 0.01, "max_segments": 2}}))
+    runs.register("stuck", rdir)
+    out = io.StringIO()
+    report.follow(runs.Run.by_id("stuck"), 0, out, follow_on=True, poll_s=0.001)
+    assert out.getvalue().startswith("hpcrl: TERM: stop now\n") and "ended without its end hook" in out.getvalue()
