@@ -301,6 +301,9 @@ def test_plot_of_a_long_run_is_readable(home, tmp_path):
     hpcrl("plot", "long-run", "--out", custom, "--metric", f"reward/{_key(term)}")
     panel = json.loads(Image.open(custom).info["hpcrl"])["panels"][0]
     assert panel["title"] == "reward/my_reward.py:compute_score", panel
+    # `status RUN`: the evaluations before -> after, not only the last metric
+    detail = hpcrl("status", "long-run").stdout
+    assert "eval: reward 0.000 at the start (step 0) -> 0.700 at the end (step 400)" in detail, detail
 
 
 # ---------------------------------------------------------------- metrics read by offset
