@@ -451,3 +451,30 @@ def test_logs_follow_ends_on_a_final_run_whose_segment_never_closed(home, tmp_pa
     out = io.StringIO()
     report.follow(runs.Run.by_id("stuck"), 0, out, follow_on=True, poll_s=0.001)
     assert out.getvalue().startswith("hpcrl: TERM: stop now\n") and "ended without its end hook" in out.getvalue()
+
+
+def test_projection_after_resume_uses_the_new_walltime_not_the_old_segments():
+    """After `resume --hours 0.1` on a 0.01 h run the old 36 s segments say nothing about the next
+    ones: the running 360 s segment and those after it are projected at 360 s."""
+    from hpcrl import progress
+    from hpcrl.results import segment_timings
+
+    T, recs, segs = 1_000_000.0, [], []
+    for k in range(1, 4):  # 36 s segments: 6 s start-up, 26 steps at 1 step/s
+        t0 = T + (k - 1) * 40
+        segs.append({"k": k, "job_id": str(k), "state": "CONTINUE", "started": t0, "ended": t0 + 36,
+                     "asked": {"hours": 0.01, "nodes": 1, "gpus_per_node": 0}})
+        recs += [{"step": (k - 1) * 26 + i, "segment": k, "time": t0 + 6 + i} for i in range(1, 27)]
+    t4 = T + 120
+    segs.append({"k": 4, "job_id": "4", "state": "RUNNING", "started": t4,
+                 "asked": {"hours": 0.1, "nodes": 1, "gpus_per_node": 0}})
+    recs += [{"step": 78 + i, "segment": 4, "time": t4 + 6 + i} for i in range(1, 3)]
+    state = {"run_id": "r", "state": "RUNNING", "segments": segs,
+             "budget": {"hours": 0.1, "total_hours": 1.5, "max_segments": 100}}
+    facts = progress.RunFacts(total_steps=1000, walltime_s=360, stop_lead_s=4)
+    eta = progress.eta(state, segment_timings(recs), facts, step=80, now=t4 + 8)
+    # 920 steps: segment 4 trains 360 - 4 - 6 = 350 s (348 left), then 572 steps = 2 more segments
+    assert eta["segments_left"] == 2, eta
+    assert eta["eta_s"] == pytest.approx(348 + 6 + 360 + 6 + (572 - 350), abs=15), eta
+    good = progress.goodput(state, segment_timings(recs), facts, now=t4 + 8)
+    assert [g["goodput"] for g in good[:3]] == [pytest.approx(26 / 36, abs=0.01)] * 3
