@@ -283,8 +283,12 @@ def cost_line(row: dict) -> str:
     c = row.get("cost") or {}
     if not c:
         return ""
-    nodes = c["nodes"]
-    text = f"{c['wall_hours']:.3g} h wall x {nodes} node{'s' if nodes != 1 else ''} = {c['node_hours']:.3g} node-h"
+    nodes, used = c["nodes"], c.get("nodes_used") or []
+    if len(used) > 1:  # segments on different node counts: each counted with its own
+        text = f"{c['wall_hours']:.3g} h wall on {used[0]}-{used[-1]} nodes = {c['node_hours']:.3g} node-h"
+    else:
+        nodes = used[0] if used else nodes
+        text = f"{c['wall_hours']:.3g} h wall x {nodes} node{'s' if nodes != 1 else ''} = {c['node_hours']:.3g} node-h"
     if c.get("gpu_hours") is not None:
         text += f" ({c['gpu_hours']:.3g} GPU-h)"
     if c.get("charged_hours") is not None:

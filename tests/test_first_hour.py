@@ -179,6 +179,9 @@ def test_each_segment_keeps_what_it_was_queued_with_pure():
     cost = progress.cost(state, facts, now=T + 100, wall_s_left=None)
     assert cost["node_hours"] == round((36 * 2 + 60 * 1) / 3600, 4)  # segment 1 held two nodes
     assert cost["gpu_hours"] == round((36 * 8 + 60 * 4) / 3600, 4)
+    from hpcrl import report
+
+    assert report.cost_line({"state": "RUNNING", "cost": cost}).startswith("0.0267 h wall on 1-2 nodes = 0.0367 node-h")
     from hpcrl.results import segment_timings
 
     timings = segment_timings([{"step": s, "segment": 1, "time": T + 6 + s} for s in range(1, 27)])
