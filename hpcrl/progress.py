@@ -165,7 +165,8 @@ def cost(state: dict, facts: RunFacts, now: float, wall_s_left: float | None) ->
     node_s = sum(u * a["nodes"] for u, a in segs)
     gpu_s = sum(u * a["nodes"] * a["gpus_per_node"] for u, a in segs)
     any_gpu = facts.gpus_per_node or any(a["gpus_per_node"] for u, a in segs if u)
-    out = {"nodes": facts.nodes, "gpus_per_node": facts.gpus_per_node, "charge_factor": facts.charge_factor}
+    out = {"nodes": facts.nodes, "gpus_per_node": facts.gpus_per_node, "charge_factor": facts.charge_factor,
+           "nodes_used": sorted({a["nodes"] for u, a in segs if u})}  # more than one: resumed with --nodes
     more = None if wall_s_left is None else wall_s_left
     for suffix, wall, n_s, g_s in (("", used, node_s, gpu_s),
                                    ("_projected", None if more is None else used + more,

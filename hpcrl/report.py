@@ -283,8 +283,12 @@ def cost_line(row: dict) -> str:
     c = row.get("cost") or {}
     if not c:
         return ""
-    nodes = c["nodes"]
-    text = f"{c['wall_hours']:.3g} h wall x {nodes} node{'s' if nodes != 1 else ''} = {c['node_hours']:.3g} node-h"
+    nodes, used = c["nodes"], c.get("nodes_used") or []
+    if len(used) > 1:  # segments on different node counts: each counted with its own
+        text = f"{c['wall_hours']:.3g} h wall on {used[0]}-{used[-1]} nodes = {c['node_hours']:.3g} node-h"
+    else:
+        nodes = used[0] if used else nodes
+        text = f"{c['wall_hours']:.3g} h wall x {nodes} node{'s' if nodes != 1 else ''} = {c['node_hours']:.3g} node-h"
     if c.get("gpu_hours") is not None:
         text += f" ({c['gpu_hours']:.3g} GPU-h)"
     if c.get("charged_hours") is not None:
@@ -453,21 +457,31 @@ def pick_segment(state: dict, k: int | None) -> int:
     return k - 1
 
 
+FINAL_QUIET_POLLS = 20  # ~10 s at the default poll
+
+
 def follow(run: Run, start_index: int, out, follow_on: bool, poll_s: float = 0.5, on_tick=None) -> None:
     """Print the log of segment `start_index` and, with follow_on, every later one as it starts,
     until the run reaches a final state and its last log is drained. on_tick(): called once per
     poll (the terminal's progress line)."""
-    index, pos = start_index, 0
+    index, pos, quiet = start_index, 0, 0
     while True:
         if on_tick is not None:
             on_tick()
         state = run.state()
         started = _started_segments(state)
         if index < len(started):
-            pos = _drain(log_path(run, started[index]), pos, out)
+            before, pos = pos, _drain(log_path(run, started[index]), pos, out)
             if not follow_on:
                 return
             seg_done = started[index]["state"] != SegState.RUNNING
+            # a final run whose segment is still marked RUNNING (its job was killed before its end
+            # hook could run): once its log has been silent for FINAL_QUIET_POLLS polls, stop
+            quiet = quiet + 1 if pos == before and not lifecycle.is_active(state) else 0
+            if not seg_done and quiet >= FINAL_QUIET_POLLS:
+                out.write(f"hpcrl: run {state['state']}; segment {started[index].get('k')} is still recorded as running "
+                          f"but its log went quiet: its job ended without its end hook\n")
+                return
             if seg_done and index + 1 < len(started):
                 pos = _drain(log_path(run, started[index]), pos, out)
                 index, pos = index + 1, 0

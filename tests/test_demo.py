@@ -27,6 +27,8 @@ def test_demo_finishes_beside_a_cpu_hog_with_its_verdict(tmp_path):
     out = r.stdout
     assert r.returncode == 0, (out[-3000:], r.stderr[-3000:])
     assert "segments of" in out  # sized by what the machine does now
+    if "demo: the run stopped" in out:  # the machine slowed down after it was measured: resumed, not failed
+        assert "resuming with" in out, out[-3000:]
     verdict = out[out.index("demo: verdict:"):]
     assert "COMPLETED" in verdict and "before training ->" in verdict and "after RL" in verdict, verdict
     run = verdict.split()[3]

@@ -53,10 +53,10 @@ def test_data_and_model_help_list_their_sub_commands_and_the_top_level_names_the
     assert hpcrl(name, "-h").stdout == hpcrl(name, "--help").stdout
     bare = hpcrl(name)  # alone: its sub-commands, not an error
     assert bare.returncode == 0 and all(s in bare.stdout for s in subs)
-    top = hpcrl("--help").stdout
+    top = hpcrl("--help", env={"COLUMNS": "300"}).stdout  # one line per command
     line = next(ln for ln in top.splitlines() if ln.strip().startswith(name + " "))
-    missing = [s for s in subs if s not in line]
-    assert not missing, f"`hpcrl --help` does not name {missing} for {name} (hpcrl/cli.py FORWARDED)"
+    missing = [s for s in subs if s not in line.split(":", 1)[-1].replace(",", " ").split()]
+    assert not missing, f"`hpcrl --help` does not name {missing} for {name}: {line}"
     for sub in subs:
         r = hpcrl(name, sub, "--help")
         assert r.returncode == 0 and r.stdout.startswith(f"usage: hpcrl {name} {sub}"), r.stderr
@@ -84,6 +84,7 @@ def _no_run_left(home):
     ("{missing}", "does not exist"),
     ("{file}:scor", "defines no function 'scor' (did you mean 'score'?)"),
     ("my_reward.py", "is a relative path"),
+    ("countdown + nosuchpkg_f22.rewards:score", "module 'nosuchpkg_f22.rewards' is not importable by the trainer's python"),
 ])
 def test_a_reward_mistake_is_refused_at_submit_with_no_run_left(home, tmp_path, reward, said):
     file = tmp_path / "my_reward.py"
@@ -96,6 +97,24 @@ def test_a_reward_mistake_is_refused_at_submit_with_no_run_left(home, tmp_path, 
     assert _no_run_left(home)
     if "countdwn" in reward:  # a name is known without any file: render refuses it too
         assert said in hpcrl("render", "--trainer", "builtin", "--set", f"args.reward={reward}", check=False).stderr
+
+
+def test_an_importable_module_reward_is_accepted_at_submit(fast_local, tmp_path):
+    """The module is found where the job will run: the spec's env.PYTHONPATH counts, the directory
+    submit was run from does not (the job runs in its run directory)."""
+    from helpers import wait_for_run
+
+    pkg = tmp_path / "lib" / "myrewards_f22"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                     "    return 0.0\n")
+    argv = ["submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "mod",
+            "--set", "args.reward=myrewards_f22:score"]
+    r = hpcrl(*argv, check=False, cwd=tmp_path / "lib")
+    assert r.returncode == 2 and "'myrewards_f22' is not importable" in r.stderr, r.stderr
+    hpcrl(*argv, "--set", f"env.PYTHONPATH={tmp_path / 'lib'}")
+    hpcrl("cancel", "mod")
+    wait_for_run("mod", timeout=400)  # a trainer still loading torch on a busy machine ends when loaded
 
 
 def test_reward_names_of_the_schema_are_the_trainers():
@@ -160,6 +179,9 @@ def test_each_segment_keeps_what_it_was_queued_with_pure():
     cost = progress.cost(state, facts, now=T + 100, wall_s_left=None)
     assert cost["node_hours"] == round((36 * 2 + 60 * 1) / 3600, 4)  # segment 1 held two nodes
     assert cost["gpu_hours"] == round((36 * 8 + 60 * 4) / 3600, 4)
+    from hpcrl import report
+
+    assert report.cost_line({"state": "RUNNING", "cost": cost}).startswith("0.0267 h wall on 1-2 nodes = 0.0367 node-h")
     from hpcrl.results import segment_timings
 
     timings = segment_timings([{"step": s, "segment": 1, "time": T + 6 + s} for s in range(1, 27)])
@@ -282,6 +304,9 @@ def test_plot_of_a_long_run_is_readable(home, tmp_path):
     hpcrl("plot", "long-run", "--out", custom, "--metric", f"reward/{_key(term)}")
     panel = json.loads(Image.open(custom).info["hpcrl"])["panels"][0]
     assert panel["title"] == "reward/my_reward.py:compute_score", panel
+    # `status RUN`: the evaluations before -> after, not only the last metric
+    detail = hpcrl("status", "long-run").stdout
+    assert "eval: reward 0.000 at the start (step 0) -> 0.700 at the end (step 400)" in detail, detail
 
 
 # ---------------------------------------------------------------- metrics read by offset
@@ -360,3 +385,99 @@ def test_perlmutter_doc_names_the_run_dir_files_a_run_has(fast_local):
     records = next(ln for ln in doc.splitlines() if "hpcrl's own records" in ln)
     named = re.findall(r"[\w.-]+\.\w+|[\w-]+/", records)
     assert named and all((run_dir("files") / n.rstrip("/")).exists() for n in named), named
+
+
+# ---------------------------------------------------------------- truthful after faults; the progress line
+
+
+def test_a_lost_segments_checkpointing_flag_goes_when_the_next_segment_begins(fast_local):
+    """A segment hard-killed while saving never runs its end hook: its .checkpointing flag must not
+    make the next segment show CHECKPOINTING throughout."""
+    from helpers import run_dir, run_state, wait_for_run, wait_until
+
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.01", "--max-segments", "2",
+          "--name", "flag", "--set", "args.steps=100000", "--set", "args.step_time_s=0.05")
+    wait_until(lambda: run_state("flag")["state"] == "RUNNING", 120, "segment 1 to run")
+    rdir = run_dir("flag")
+    (rdir / ".checkpointing").write_text("")  # as the script leaves it when killed while saving
+    assert json.loads(hpcrl("status", "flag", "--json").stdout)[0]["state"] == "CHECKPOINTING"
+    # the next segment's begin hook, as a job the user queued by hand runs it (sbatch job.sh)
+    r = subprocess.run([sys.executable, "-m", "hpcrl.cli", "_segment", "begin", str(rdir), "--job-id", "by-hand"],
+                       capture_output=True, text=True)
+    state = run_state("flag")
+    lost = [s for s in state["segments"] if s.get("k") == 1][0]
+    assert lost["state"] == "LOST" and not (rdir / ".checkpointing").exists(), (r.stdout, r.stderr, state)
+    assert json.loads(hpcrl("status", "flag", "--json").stdout)[0]["state"] != "CHECKPOINTING"
+    hpcrl("cancel", "flag", check=False)
+    # the hand-run job's own end hook (there is no such job to end it)
+    subprocess.run([sys.executable, "-m", "hpcrl.cli", "_segment", "end", str(rdir), "--job-id", "by-hand", "--rc", "85"],
+                   check=True)
+    wait_for_run("flag", timeout=120)
+
+
+def test_finish_estimate_right_after_a_segment_starts_and_progress_line_fits_80_columns():
+    from hpcrl import draw, progress
+    from hpcrl.results import segment_timings
+
+    T = 1_000_000.0
+    segs = [{"k": 1, "job_id": "1", "state": "CONTINUE", "started": T, "ended": T + 36, "end_step": 26},
+            {"k": 2, "job_id": "2", "state": "RUNNING", "started": T + 37, "start_step": 26}]
+    state = {"run_id": "r", "state": "RUNNING", "segments": segs,
+             "budget": {"hours": 0.01, "total_hours": None, "max_segments": 20}}
+    timings = segment_timings([{"step": s, "segment": 1, "time": T + 6 + s} for s in range(1, 27)])
+    facts = progress.RunFacts(total_steps=100, walltime_s=36, stop_lead_s=4)
+    eta = progress.eta(state, timings, facts, step=26, now=T + 38)  # segment 2 has no step yet
+    assert eta["finish_time"] is not None and eta["steps_per_s"] == 1.0
+    row = {"id": "countdown-tiny-20261204-081503-with-a-rather-long-name", "state": "CHECKPOINTING",
+           "segments": 12, "segments_planned": 150, "step": 12345, "metric_name": "eval/reward_mean",
+           "metric": 0.74691, "eta": {**eta, "total_steps": 123456}}
+    for width in (80, 60, 40):
+        text = draw.progress_text(row, width).plain
+        assert len(text) <= width and "\u2026" not in text, text
+        assert text.startswith("CHECKPOINTING") and "seg 12/150" in text
+    assert "ETA" in draw.progress_text(row, 80).plain
+
+
+def test_logs_follow_ends_on_a_final_run_whose_segment_never_closed(home, tmp_path):
+    """`hpcrl cancel` of a segment killed before its end hook leaves it recorded as RUNNING in a
+    CANCELLED run: `logs -f` (and the demo that follows it) must not wait on it for ever."""
+    import io
+
+    from hpcrl import report, runs
+
+    rdir = tmp_path / "runs" / "stuck"
+    (rdir / "logs").mkdir(parents=True)
+    (rdir / "logs" / "job-7.log").write_text("hpcrl: TERM: stop now\n")
+    (rdir / "state.json").write_text(json.dumps({"run_id": "stuck", "state": "CANCELLED", "segments": [
+        {"k": 1, "job_id": "7", "state": "RUNNING", "started": 1.0}], "budget": {"hours": 0.01, "max_segments": 2}}))
+    runs.register("stuck", rdir)
+    out = io.StringIO()
+    report.follow(runs.Run.by_id("stuck"), 0, out, follow_on=True, poll_s=0.001)
+    assert out.getvalue().startswith("hpcrl: TERM: stop now\n") and "ended without its end hook" in out.getvalue()
+
+
+def test_projection_after_resume_uses_the_new_walltime_not_the_old_segments():
+    """After `resume --hours 0.1` on a 0.01 h run the old 36 s segments say nothing about the next
+    ones: the running 360 s segment and those after it are projected at 360 s."""
+    from hpcrl import progress
+    from hpcrl.results import segment_timings
+
+    T, recs, segs = 1_000_000.0, [], []
+    for k in range(1, 4):  # 36 s segments: 6 s start-up, 26 steps at 1 step/s
+        t0 = T + (k - 1) * 40
+        segs.append({"k": k, "job_id": str(k), "state": "CONTINUE", "started": t0, "ended": t0 + 36,
+                     "asked": {"hours": 0.01, "nodes": 1, "gpus_per_node": 0}})
+        recs += [{"step": (k - 1) * 26 + i, "segment": k, "time": t0 + 6 + i} for i in range(1, 27)]
+    t4 = T + 120
+    segs.append({"k": 4, "job_id": "4", "state": "RUNNING", "started": t4,
+                 "asked": {"hours": 0.1, "nodes": 1, "gpus_per_node": 0}})
+    recs += [{"step": 78 + i, "segment": 4, "time": t4 + 6 + i} for i in range(1, 3)]
+    state = {"run_id": "r", "state": "RUNNING", "segments": segs,
+             "budget": {"hours": 0.1, "total_hours": 1.5, "max_segments": 100}}
+    facts = progress.RunFacts(total_steps=1000, walltime_s=360, stop_lead_s=4)
+    eta = progress.eta(state, segment_timings(recs), facts, step=80, now=t4 + 8)
+    # 920 steps: segment 4 trains 360 - 4 - 6 = 350 s (348 left), then 572 steps = 2 more segments
+    assert eta["segments_left"] == 2, eta
+    assert eta["eta_s"] == pytest.approx(348 + 6 + 360 + 6 + (572 - 350), abs=15), eta
+    good = progress.goodput(state, segment_timings(recs), facts, now=t4 + 8)
+    assert [g["goodput"] for g in good[:3]] == [pytest.approx(26 / 36, abs=0.01)] * 3

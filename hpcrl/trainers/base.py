@@ -87,6 +87,10 @@ class Trainer:
         """A SpecError for what renders (so `hpcrl render` still shows the script) but cannot run
         yet: refused at submit rather than hours later, when the job starts."""
 
+    def check_python(self, args: dict, python: str, env: dict) -> None:
+        """A SpecError for what the job's interpreter cannot import (e.g. a module:function reward),
+        called at submit only where that interpreter is this machine's `python` (env: the job's)."""
+
     def requirements(self, args: dict, site: dict) -> list[str]:
         """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""
         return []

@@ -41,10 +41,25 @@ class BuiltinTrainer(Trainer):
         # compute nodes, so a missing file or function is known here, not after a queue wait
         import re
 
-        for part in re.split(r"\s\+\s", str((args or {}).get("reward") or "")):
-            name = re.sub(r"^\s*[-+.\deE]+\s*\*\s*", "", part).strip()
+        for name in _reward_terms(args):
             if reward_kind(name) == "file":
                 check_reward_file(*reward_file(name))
+
+    def check_python(self, args: dict, python: str, env: dict) -> None:
+        import subprocess
+
+        modules = sorted({n.partition(":")[0] for n in _reward_terms(args) if reward_kind(n) == "module"})
+        if not modules:
+            return
+        try:  # cwd /: the job runs in its run dir, so the submit directory's modules are not the job's
+            out = subprocess.run([python, "-c", _FIND, *modules], capture_output=True, text=True, timeout=120,
+                                 cwd="/", env=env)
+        except (OSError, subprocess.TimeoutExpired):
+            return  # the interpreter itself is checked elsewhere (launch.check_trainer_python)
+        missing = out.stdout.split()
+        if out.returncode == 0 and missing:
+            raise SpecError(f"args.reward: module '{missing[0]}' is not importable by the trainer's python {python}; "
+                            f"pip install it there, or add its directory to env.PYTHONPATH in the spec")
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS
@@ -69,6 +84,18 @@ class BuiltinTrainer(Trainer):
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         # compute nodes usually have no internet: never let transformers try the hub
         return {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+# Prints each named module the interpreter cannot find (find_spec: the module itself is not run).
+_FIND = ("import importlib.util, sys\nfor m in sys.argv[1:]:\n    try:\n        found = importlib.util.find_spec(m)\n"
+         "    except (ImportError, ValueError):\n        found = None\n    if found is None:\n        print(m)\n")
+
+
+def _reward_terms(args: dict) -> list[str]:
+    import re
+
+    return [re.sub(r"^\s*[-+.\deE]+\s*\*\s*", "", part).strip()
+            for part in re.split(r"\s\+\s", str((args or {}).get("reward") or ""))]
 
 
 def check_reward_file(path: str, func: str) -> None:
