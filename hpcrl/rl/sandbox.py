@@ -194,7 +194,10 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
     clean = _clean_values(pending, limits, level, python) if pending else {}
     plans = [_plan(t, clean) if isinstance(t, str) else None for t in tests]
     sent = [p.steps if p is not None else {"input": t["input"]} for t, p in zip(tests, plans)]
-    out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, FORK_SERVER)
+    try:
+        out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, FORK_SERVER)
+    except _CannotStart as e:
+        return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
     return _judge(out, marker, tests, plans, timed_out, time.monotonic() - t0)
 
 
@@ -203,7 +206,10 @@ def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: fl
     tests = [_norm_test(t) for t in tests]
     plans = [_plan(t, {}) if isinstance(t, str) else None for t in tests]
     sent = [p.steps if p is not None else {"input": t["input"]} for t, p in zip(tests, plans)]
-    out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, server)
+    try:
+        out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, server)
+    except _CannotStart as e:
+        return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
     return _judge(out, marker, tests, plans, timed_out, time.monotonic() - t0)
 
 
@@ -226,8 +232,10 @@ def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python:
         proc = subprocess.Popen(_argv(level, python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, env=env, close_fds=True, start_new_session=True,
                                 cwd=work or "/")
-    except OSError:
-        return b"", marker, False  # no result line: scored a crash
+    except OSError as e:
+        if work:
+            shutil.rmtree(work, ignore_errors=True)
+        raise _CannotStart(f"cannot start the sandbox: {e}") from None
     try:
         out, timed_out = _exchange(proc, _harness_blob(python) + marshal.dumps(payload), t0 + limits.timeout_s)
     finally:
@@ -235,6 +243,10 @@ def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python:
         if work:
             shutil.rmtree(work, ignore_errors=True)
     return out, marker, timed_out
+
+
+class _CannotStart(Exception):
+    """The sandbox's interpreter could not be started: the sample scores a crash with this detail."""
 
 
 def _norm_test(test):
@@ -496,8 +508,11 @@ def evaluate(code: str, exprs: list, limits: Limits = Limits(), level: str | Non
     """[(True, value) | (False, "why"), ...]: each expression evaluated in the sandbox after
     `code`, its value sent back as data and decoded here into plain built-in values."""
     level = level or isolation(python)
-    out, marker, timed_out = _exchange_payload(code, [[["eval", e]] for e in exprs], limits, level, python,
-                                               time.monotonic(), FORK_SERVER)
+    try:
+        out, marker, timed_out = _exchange_payload(code, [[["eval", e]] for e in exprs], limits, level, python,
+                                                   time.monotonic(), FORK_SERVER)
+    except _CannotStart as e:
+        return [(False, str(e))] * len(exprs)
     doc = "timeout" if timed_out else _doc(out, marker)
     if isinstance(doc, str) or len(doc["tests"]) != len(exprs):
         return [(False, doc if isinstance(doc, str) else "crash")] * len(exprs)

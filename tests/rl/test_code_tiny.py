@@ -35,7 +35,9 @@ def test_code_tiny_learns_through_the_sandbox(tmp_path):
 # scaffold would be) binds an object that compares equal to anything (unittest.mock.ANY) to a
 # name the tiny vocabulary has as one token, `answer`; the format warm-up's targets include it
 # three times in 15, so the policy samples `return answer` from the first RL step. Before the
-# trainer judged (issue 20) it passed every test of every task (the table's `mock_any`: 1.0).
+# trainer judged (issue 20) it passed every test of every task (the table's `mock_any`: 1.0): this
+# run against main's sandbox climbed from a pass rate of 0.36 to 0.97 in 40 steps and ended with
+# eval accuracy 1.0, all forged; with the trainer judging, 0.1-0.3 (honest answers only), eval 0.2.
 FORGED = "answer"
 FORGED_PREFIX = "from unittest.mock import ANY as answer\n"
 

@@ -428,6 +428,13 @@ def test_decode_takes_plain_data_only():
         sandbox.decode(deep)
 
 
+def test_an_interpreter_that_cannot_start_is_a_crash_with_the_reason():
+    before = set(Path(sandbox.tempfile.gettempdir()).glob("hpcrl-sandbox-*"))
+    res = sandbox._run("def f(): return 1", OK_TESTS, FAST, "plain", "/nonexistent/python9", time.monotonic(), False)
+    assert (res.score, res.reason) == (0.0, "crash") and "cannot start the sandbox" in res.detail, res
+    assert set(Path(sandbox.tempfile.gettempdir()).glob("hpcrl-sandbox-*")) <= before  # its work dir is gone
+
+
 def test_hostile_result_documents_score_zero():
     # what a program may leave on its channel, as the trainer reads it
     plan = sandbox._plan("assert f(1, 2) == 3", {})
