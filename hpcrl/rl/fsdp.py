@@ -1,7 +1,10 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) for `args.parallel: fsdp` on more than one rank.
 
 Each decoder layer and the root are sharded: a rank keeps 1/world of the weights, gradients
-and AdamW state between phases. What the loop relies on:
+and AdamW state between phases. The model (and the KL reference) is built on the meta device,
+sharded, and each rank reads only its own rows from the safetensors files (load_sharded): no rank
+ever holds the whole model. Parameters and AdamW state are float32; with a bf16 `dtype` FSDP
+gathers the weights in bf16 for compute and reduces gradients in float32. What the loop relies on:
 
 - gradients are reduce-scattered by FSDP itself, which averages over the ranks; the loop's loss
   is already normalised over the global mini-batch (as on the ddp path, which sums), so it is
@@ -14,8 +17,8 @@ and AdamW state between phases. What the loop relies on:
   (generation needs no collective per token) and the stop check inside them still works;
 - the KL reference is sharded alike (a rank holds 1/world of it), gathered for its no-grad pass
   like the policy's; the end of the warm-up copies each rank's shards into it;
-- checkpoints are written in parts (parts.py): each rank gathers the whole tensors it owns
-  (about 1/world of the bytes) and writes them, and a resume has each rank read a share of the
+- checkpoints are written in parts (parts.py): each tensor's shards are gathered to the rank
+  that owns it (about 1/world of the bytes each; nothing else moves) and it writes them, and a resume has each rank read a share of the
   files and scatter every tensor's shards from the rank that read it. The tensors are whole in
   the files, so a run moves between world sizes and between ddp and fsdp at any checkpoint.
 """

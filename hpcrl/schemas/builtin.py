@@ -217,7 +217,9 @@ SCHEMA = Schema("builtin", [
     Int("keep_last", 3, "checkpoints kept", ge=1),
     Bool("async_save", True, "write periodic checkpoints in a background thread"),
     Int("seed", 0, "seed of every random stream", ge=0),
-    Choice("dtype", "float32", ("float32", "bfloat16"), "parameter dtype"),
+    Choice("dtype", "float32", ("float32", "bfloat16"),
+           "compute dtype of the forward passes (autocast; fsdp: its mixed-precision policy); the weights and "
+           "AdamW's state stay float32 (master weights), in checkpoints too"),
     Choice("device", "auto", ("auto", "cpu", "cuda"), "where the policy runs"),
     Int("threads", 0, "torch CPU threads; 0: leave torch's default", ge=0),
     # --- several processes (torchrun sets WORLD_SIZE; without it the trainer is one process)

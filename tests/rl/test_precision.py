@@ -108,3 +108,24 @@ def test_export_writes_the_models_dtype_by_default_and_the_asked_one(home, tmp_p
     hpcrl("export", "mp", "--out", tmp_path / "fp32", "--dtype", "float32")
     assert _header_dtypes(tmp_path / "fp32" / "model.safetensors") == {"F32"}
     assert all(torch.equal(t, masters[k]) for k, t in load_file(tmp_path / "fp32" / "model.safetensors").items())
+
+
+def test_fsdp_in_bf16_keeps_fp32_masters_sharded(tmp_path):
+    """fsdp on 2 ranks with dtype bfloat16 (MixedPrecisionPolicy: bf16 gathers, fp32 reduce): the
+    parts hold float32 weights that moved by about the update at lr 1e-6."""
+    from rl_helpers import DIST_ARGS, checkpoint_model, exit_file_code, start_torchrun
+
+    run_dir = tmp_path / "fsdp"
+    write_config(run_dir, **{**DIST_ARGS, "parallel": "fsdp", "dtype": "bfloat16", "lr": LR, "sft_steps": 0,
+                             "total_steps": 1, "beta": 0.0, "ppo_epochs": 1, "mini_batches": 1,
+                             "eval_before": False, "eval_after": False, "save_every": 0})
+    proc = start_torchrun(run_dir)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and exit_file_code(run_dir) == protocol.EXIT_COMPLETE, err[-3000:]
+    step, path = CheckpointStore(run_dir / "checkpoints").find_latest()
+    assert step == 1 and (path / "model-00002-of-00002.safetensors").exists()
+    after = checkpoint_model(path)
+    base = load_file(run_dir / "model" / "model.safetensors")
+    assert {t.dtype for t in after.values()} == {torch.float32}
+    moved = torch.cat([((after[k] - base[k].float()).abs() / LR).reshape(-1) for k in base])
+    assert (moved > 0.5).float().mean().item() > 0.5, f"median move {moved.median().item():.3g} x lr"

@@ -285,8 +285,9 @@ def test_micro_batches_accumulate_the_same_gradient(tiny, loss_agg):
     grads = {}
     for micro in (0, 2, 4):
         cfg = config.resolve({"micro_batch_size": micro, "loss_agg": loss_agg, "beta": 0.1})
-        fake = SimpleNamespace(cfg=cfg, model=model, optimizer=_RecordingOptimizer(model), dist=Dist(), fsdp=False)
-        for name in ("_loss_scale", "_reduce_grads"):  # the trainer's own, on this stand-in
+        fake = SimpleNamespace(cfg=cfg, model=model, optimizer=_RecordingOptimizer(model), dist=Dist(), fsdp=False,
+                               device=torch.device("cpu"))
+        for name in ("_loss_scale", "_reduce_grads", "_compute"):  # the trainer's own, on this stand-in
             setattr(fake, name, getattr(RLTrainer, name).__get__(fake))
         ref = RLTrainer._logprobs_no_grad(fake, model, batch) * 0.9
         loss, _ = RLTrainer._optimizer_step(fake, batch, torch.arange(6), adv, ref, single=True)
