@@ -107,7 +107,7 @@ def test_in_a_job_venv_root_read_only_is_expected_and_the_venv_must_be_ready(log
         assert got["venv"].startswith("FAIL") and "a job cannot build it" in got["venv"] and \
             "hpcrl venv build --site pmdoc --trainer builtin" in got["venv"], r.stdout
         assert r.returncode == 1
-        hpcrl("venv", "build", *args, timeout=300)  # here, the login side
+        hpcrl("venv", "build", "--trainer", "builtin", *args, timeout=300)  # here, the login side
         r = in_job()
         got = lines(r.stdout)
         assert r.returncode == 0 and got["venv"].startswith("PASS"), r.stdout + r.stderr
