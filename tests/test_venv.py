@@ -84,3 +84,9 @@ def test_a_venv_gone_after_submit_fails_the_job_in_one_line_naming_the_command(v
     assert f"venv {venv} built (1 requirements)" in out and (venv / ".hpcrl-ready").is_file()
     assert "already ready" in hpcrl("venv", "build", "--run", "gone").stdout
     assert run_state("gone")["state"] in ("STOPPED", "FAILED")
+    # resume builds a venv that went missing, before it queues anything
+    shutil.rmtree(venv)
+    r = hpcrl("resume", "gone", "--max-segments", "3", timeout=300)
+    assert f"building venv {venv}" in r.stderr and (venv / ".hpcrl-ready").is_file(), r.stderr
+    state = wait_for_run("gone", timeout=120)
+    assert state["state"] == "COMPLETED", state
