@@ -273,7 +273,13 @@ def cmd_doctor(ns) -> int:
     from .spec import site_as_given
 
     site = site_as_given(ns.site, ns.account, ns.sets)
-    checks = doctor.run_checks(site, trainer=ns.trainer)
+    spec, trainer = None, ns.trainer
+    if ns.spec:  # the venv of this spec: its trainer, arguments and requirements
+        from .spec import resolve
+
+        spec = resolve(ns.spec, ns.site, ns.sets, {"account": ns.account})["spec"]
+        trainer = spec["trainer"]
+    checks = doctor.run_checks(site, trainer=trainer, spec=spec)
     print(f"hpcrl doctor: site {site['name']} ({site['scheduler']})")
     print(doctor.format_checks(checks))
     return 1 if any(c.status == "fail" for c in checks) else 0
@@ -425,6 +431,7 @@ def build_parser(listing: bool = False) -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_sites)
     sp = sub.add_parser("doctor", help="preflight a site before the first big submission (run it on the login node)")
+    sp.add_argument("spec", nargs="?", help="spec file whose venv to check (default: the --trainer's defaults)")
     sp.add_argument("--site", help="site profile (default: local)")
     sp.add_argument("--account", help="account to check (default: the site's, or $HPCRL_ACCOUNT)")
     sp.add_argument("--trainer", default="builtin", help="trainer whose Python requirement to check (default builtin)")

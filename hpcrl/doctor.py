@@ -4,8 +4,9 @@ Each check passes, warns or fails with a one-line fix. The scheduler's own check
 the account, the QOS table against the scheduler's limits, features and GPUs, cloud credentials)
 come from the site's backend (`Backend.doctor`); the ones every site shares are here: the
 profile's modules load in a non-interactive bash, the Python they give is new enough for the
-trainer, outputs and venv_root are writable (with free space), and the variables the profile's
-paths use are set. Nothing here changes anything (writability is tried with a temporary file, removed at once).
+trainer, outputs and venv_root are writable (with free space; venv_root read-only inside a job is
+expected: compute nodes only activate venvs), the venv of the spec is built and ready (else the
+command that builds it), and the variables the profile's paths use are set. Nothing here changes anything (writability is tried with a temporary file, removed at once).
 """
 
 from __future__ import annotations
@@ -25,18 +26,52 @@ from .trainers import get_trainer
 STATUS_ORDER = ("pass", "warn", "fail")
 
 
-def run_checks(site: dict, trainer: str = "builtin") -> list[Check]:
+def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, environ=None) -> list[Check]:
+    """spec: the spec part of a resolved spec (trainer, args, requirements) whose venv to check;
+    default: the trainer's with its default arguments."""
+    environ = os.environ if environ is None else environ
     backend = for_site(site)
     checks = list(backend.doctor(site))
     if backend.jobs_share_this_environment:
-        checks += _paths(site)
+        checks += _paths(site, in_job=_in_job(environ))
         checks += _modules_and_python(site, get_trainer(trainer))
+        checks += _venv(site, spec or {"trainer": trainer, "args": {}, "requirements": []}, _in_job(environ))
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
         checks += _paths({**site, "venv_root": None})
     return checks
 
 
-def _paths(site: dict) -> list[Check]:
+def _in_job(environ) -> bool:
+    """Inside a batch job (a compute node): there, venv_root is only read (Perlmutter mounts
+    /global/common read-only on compute nodes)."""
+    return bool(environ.get("SLURM_JOB_ID") or environ.get("HPCRL_JOB_ID"))
+
+
+def _venv(site: dict, spec: dict, in_job: bool) -> list[Check]:
+    """The venv the spec's jobs activate exists and is ready; else the command that builds it."""
+    from . import venv
+
+    try:
+        plan = venv.plan({"site": site, "spec": spec})
+    except HpcrlError as e:  # venv_root's variable unset: the venv_root line says so already
+        return [Check("venv", "fail", str(e).split("; ")[0], "set the variable, or --set site.venv_root=DIR")]
+    if plan is None:
+        return []
+    why = venv.readiness(plan)
+    if why is None:
+        return [Check("venv", "pass", f"{plan.path} ready ({len(plan.requirements)} requirements of "
+                                      f"{spec['trainer']})")]
+    command = f"hpcrl venv build --site {q(site['name'])} --trainer {q(spec['trainer'])}"
+    if site.get("account"):
+        command += f" --account {q(site['account'])}"
+    if in_job:
+        return [Check("venv", "fail", f"{plan.path}: {why}; a job cannot build it (venv_root is read-only here)",
+                      f"on a login node: {command} (or hpcrl submit, which builds it)")]
+    return [Check("venv", "warn", f"{plan.path}: {why} (hpcrl submit builds it first, which takes minutes)",
+                  f"build it now: {command}")]
+
+
+def _paths(site: dict, in_job: bool = False) -> list[Check]:
     out = []
     for key in ("outputs", "venv_root"):
         template = site.get(key)
@@ -51,6 +86,11 @@ def _paths(site: dict) -> list[Check]:
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         problem = _unwritable(existing)
+        if problem and key == "venv_root" and in_job and existing.is_dir():
+            # Perlmutter's compute nodes mount /global/common read-only: jobs only activate venvs
+            out.append(Check(key, "pass", f"{path}: read-only here, in a job (as on compute nodes: expected; "
+                                          f"venvs are built on the login node, at submit)"))
+            continue
         if problem:
             out.append(Check(key, "fail", f"{path}: {problem}",
                              f"point site.{key} at a directory you own (--set site.{key}=DIR)"))

@@ -34,6 +34,7 @@ from .runs import Run, RunLayout
 from .spec import world_size
 from .trainers import get_trainer
 from .trainers.base import TrainerContext, torchrun_argv
+from .venv import requirements  # noqa: F401 - also launch.requirements for export and the tests
 
 clock = time.time
 
@@ -56,13 +57,6 @@ def _site_backend(resolved: dict):
     backend = for_site(resolved["site"])
     backend.complete_site(resolved["site"])
     return backend
-
-
-def requirements(resolved: dict) -> list[str]:
-    spec, site = resolved["spec"], resolved["site"]
-    if site.get("trainer_python"):
-        return []  # the user's own interpreter: nothing to install
-    return list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"])
 
 
 def trainer_context(resolved: dict, run_id: str, layout: RunLayout) -> TrainerContext:

@@ -282,7 +282,7 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
     add_event(state, f"segment {seg['k']} started (job {job_id})", now)
     # A requeued job's successor, queued by its first start, still waits for it (afterany counts
     # the job's final end, not a requeue): one successor per segment, however often it starts.
-    successor = any(seg_state(s) == SegState.QUEUED for s in state["segments"])
+    successor = any(seg_state(s) == SegState.QUEUED and s.get("after") == str(job_id) for s in state["segments"])
     return seg, ([Queue(after=str(job_id))] if chains and not successor and budget_stop(state) is None else [])
 
 

@@ -59,9 +59,18 @@ class Plan:
         return "".join(f"{r}\n" for r in self.requirements)
 
 
+def requirements(resolved: dict) -> list[str]:
+    """The resolved requirement list: the trainer adapter's, then the spec's own."""
+    from .trainers import get_trainer
+
+    spec, site = resolved["spec"], resolved["site"]
+    if site.get("trainer_python"):
+        return []  # the user's own interpreter: nothing to install
+    return list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"])
+
+
 def plan(resolved: dict) -> Plan | None:
     """The venv of this spec on this site, or None (no venv_root, trainer_python, nothing to install)."""
-    from .launch import requirements
     from .render import venv_path
 
     site = resolved["site"]

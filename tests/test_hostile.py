@@ -51,3 +51,28 @@ def test_hostile_scheduler_flag_and_module_values_are_quoted(home, tmp_path):
     spec.write_text(json.dumps({"trainer": "smoke", "scheduler_flags": {"mail-user": "a\nb"}}))
     bad = hpcrl("render", str(spec), "--site", "pm", "--name", "q", check=False, env={"SCRATCH": str(tmp_path)})
     assert bad.returncode == 2 and "single-line" in bad.stderr
+
+
+def test_hostile_requirements_and_venv_root_stay_in_comments_and_quotes(home, tmp_path):
+    """The resolved requirements are listed in `#` comment lines and venv_root is quoted: a carriage
+    return or vertical tab cannot end a comment (only a newline can, and the spec refuses one), and
+    bash -n plus a real run of the venv block finds nothing injected."""
+    import subprocess
+
+    from hpcrl.shell import comment
+
+    assert comment("a\rb\x0bc\nd") == "a\\rb\\x0bc\\nd"
+    hostile_req = HOSTILE.replace("\n", "\r\x0b")
+    root = tmp_path / "v $(touch /tmp/PWNED-hpcrl) `x`"
+    (Path(os.environ["HPCRL_SITES_DIR"]) / "vv.yaml").write_text(
+        f"extends: local\nvenv_root: {json.dumps(str(root))}\n")
+    spec = tmp_path / "hv.yaml"
+    spec.write_text(json.dumps({"trainer": "smoke", "requirements": [hostile_req]}))
+    text = hpcrl("render", str(spec), "--site", "vv", "--name", "hv").stdout
+    req_lines = [ln for ln in text.splitlines() if "touch /tmp/PWNED-hpcrl #" in ln and "PWNED-hpcrl2" in ln]
+    assert req_lines and all(ln.startswith("#   a'; touch") for ln in req_lines), req_lines
+    # the venv block as the job runs it, up to the activation: it fails (no venv) and runs nothing else
+    block = text[text.index("venv="):text.index('source "$venv/bin/activate"')]
+    job = subprocess.run(["bash", "-c", "hpcrl_py=true; HPCRL_RUN_DIR=" + str(tmp_path) + "\n" + block],
+                         capture_output=True, text=True)
+    assert job.returncode == 1 and "is missing, unfinished or stale" in job.stderr, job.stderr

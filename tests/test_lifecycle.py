@@ -245,6 +245,34 @@ def test_segment_that_died_without_its_end_hook_is_closed_lost_by_its_successor(
     assert second["start_step"] == 15 and state["state"] == RunState.COMPLETED
 
 
+def test_a_requeued_job_begins_again_as_the_same_segment_without_a_second_successor(chain):
+    make_run, clock, sched = chain
+    run = make_run()
+    job = run.state()["segments"][0]["job_id"]
+    launch.segment_begin(str(run.dir), job, environ={})
+    successor = [s["job_id"] for s in run.state()["segments"] if s["state"] == SegState.QUEUED]
+    clock.advance(600)
+    checkpoint(run, 12)  # the requeue's TERM found no end hook run (a node failure): nothing else
+    clock.advance(60)
+    k, _, _ = launch.segment_begin(str(run.dir), job, environ={})  # the same job id starts again
+    state = run.state()
+    assert k == 1 and [s["job_id"] for s in state["segments"]] == [job, *successor], "no second successor"
+    seg = state["segments"][0]
+    assert seg["state"] == SegState.RUNNING and seg["start_step"] == 12 and "ended" not in seg
+    assert seg["requeues"] == [{"started": clock.now - 660, "ended": clock.now, "state": "LOST", "rc": None,
+                                "start_step": None, "end_step": 12}]
+    assert state["no_progress"] == 0 and lifecycle.used_hours(state) == pytest.approx(660 / 3600)
+    # its second run ends; the one successor continues the chain
+    clock.advance(1200)
+    checkpoint(run, 30)
+    launch.segment_end(str(run.dir), job, CONTINUE)
+    assert [s["state"] for s in run.state()["segments"]] == ["CONTINUE", "QUEUED"]
+    assert lifecycle.used_hours(run.state()) == pytest.approx(1860 / 3600)
+    segment(run, clock, sched, COMPLETE, 40)
+    assert [(s["k"], s["state"]) for s in run.state()["segments"] if s.get("started")] == [(1, "CONTINUE"),
+                                                                                           (2, "COMPLETE")]
+
+
 def test_successor_submit_failures_at_begin_and_end(chain):
     make_run, clock, sched = chain
     run = make_run("f")

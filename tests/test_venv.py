@@ -59,7 +59,8 @@ def test_submit_builds_the_venv_once_and_the_job_only_activates_it(venv_site):
 def test_a_pip_failure_at_submit_names_the_log_and_leaves_no_run(venv_site, home):
     r = _submit("bad", "--set", "requirements=[hpcrl-no-such-package==1.0]", check=False)
     err = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and err[-1].startswith("hpcrl: error: building venv ") and "failed (exit 1); see " in err[-1]
+    assert r.returncode == 2 and err[-1].startswith("hpcrl: error: building venv "), r.stderr
+    assert "failed (exit 1); see " in err[-1], r.stderr
     log = Path(err[-1].rsplit("see ", 1)[1])
     assert "hpcrl-no-such-package" in log.read_text()
     assert [p.name for p in venv_site.iterdir()] and not any(p.is_dir() for p in venv_site.iterdir()), \
@@ -84,3 +85,20 @@ def test_a_venv_gone_after_submit_fails_the_job_in_one_line_naming_the_command(v
     assert f"venv {venv} built (1 requirements)" in out and (venv / ".hpcrl-ready").is_file()
     assert "already ready" in hpcrl("venv", "build", "--run", "gone").stdout
     assert run_state("gone")["state"] in ("STOPPED", "FAILED")
+    # resume builds a venv that went missing, before it queues anything
+    shutil.rmtree(venv)
+    r = hpcrl("resume", "gone", "--max-segments", "3", timeout=300)
+    assert f"building venv {venv}" in r.stderr and (venv / ".hpcrl-ready").is_file(), r.stderr
+    state = wait_for_run("gone", timeout=120)
+    assert state["state"] == "COMPLETED", state
+
+
+def test_a_venv_root_that_cannot_be_written_is_one_line_and_no_run(fast_local, home):
+    (Path(os.environ["HPCRL_SITES_DIR"]) / "venvbad.yaml").write_text(
+        yaml.safe_dump({"extends": fast_local, "venv_root": "/dev/null/venvs"}))
+    r = hpcrl("submit", "--site", "venvbad", "--trainer", "smoke", "--name", "nv", "--set", "requirements=[pip]",
+              check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("hpcrl: error: cannot create the venv's directory /dev/null/venvs: ") and \
+        "login node" in r.stderr, r.stderr
+    assert not (home / "runs" / "nv").exists()
