@@ -290,8 +290,8 @@ def test_metrics_of_earlier_segments_give_step_times(tmp_path):
     times = verl_launch.past_step_times(tmp_path, segment=2)
     assert times == [58.25]  # the segment's first step is verl's warm-up: not what the next one takes
     records, _ = verl_launch.read_verl_metrics(d / "segment-001.jsonl")
-    assert verl_launch.hpcrl_record(records[-1]) == {"step": 2, "trainer": "verl", "reward": 0.125,
-                                                    "step_s": 58.25, "pg_loss": -0.01, "response_len": 402.5}
+    assert verl_launch.hpcrl_record(records[-1]) == {"step": 2, "trainer": "verl", "reward": 0.125, "step_s": 58.25,
+                                                    "step_time_s": 58.25, "pg_loss": -0.01, "response_len": 402.5}
     # with its segment and time, as the built-in trainer's records: `status` computes goodput from them
     assert verl_launch.hpcrl_record(records[-1], 3, 1000.0)["segment"] == 3
     assert verl_launch.hpcrl_record(records[-1], 3, 1000.0)["time"] == 1000.0
@@ -481,6 +481,11 @@ mkdir -p "$C/global_step_3"; echo 3 > "$C/latest_checkpointed_iteration.txt"
     assert "verl saved step 3 but its record was lost" in result.stderr
     # the actor's record written after the driver exited still reaches the run's metrics
     assert [json.loads(x)["step"] for x in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
+    # ... with what `status` needs for verl's goodput (segment and time, as the built-in trainer's)
+    from hpcrl import results
+
+    timing = results.segment_timings(results.read_records(tmp_path / "m.jsonl"))[1]
+    assert (timing.first_step, timing.last_step, timing.steps) == (1, 2, 2) and timing.train_s > 0
 
 
 def test_a_term_before_verl_starts_is_not_lost(tmp_path):

@@ -1,7 +1,7 @@
-"""The verl adapter's Ray bootstrap, run for real on the throwaway Slurm cluster (one node).
+"""The verl adapter's Ray bootstrap, run for real on the throwaway Slurm cluster (both nodes).
 
-`ray_cluster: always` makes the adapter start Ray through srun even on one node, exactly as it
-does across a multi-node allocation. Only verl itself is replaced: a stand-in package `verl` whose
+Two nodes (`ray_cluster: auto` would start it too): a head on the first, a worker on the second that
+joins once Ray's API reports the head alive, the driver once it reports both. Only verl itself is replaced: a stand-in package `verl` whose
 `verl.trainer.main_ppo` does what verl's driver does first -- ray.init() on the cluster named by
 RAY_ADDRESS -- then runs one task there and reports what it saw. It is put on the job's PYTHONPATH
 by a test site's set-up line, so the real adapter, its verl/launch.py and the real `ray start`
@@ -119,7 +119,7 @@ def test_ray_bootstrap_starts_a_real_cluster_the_driver_joins_and_stops_it(ray_s
           ray_cluster: always
           ray_port: {_free_port()}
         resources:
-          nodes: 1
+          nodes: 2
     """))
     ray_site.append("verl-ray")
     hpcrl("submit", spec, "--site", "rayci", "--hours", "0.05", "--name", "verl-ray")
@@ -127,8 +127,9 @@ def test_ray_bootstrap_starts_a_real_cluster_the_driver_joins_and_stops_it(ray_s
     _wait_job_gone("verl-ray", timeout=90)  # Ray is stopped after the segment's end is recorded
     log = hpcrl("logs", "verl-ray").stdout
     assert state["state"] == "COMPLETED", f"{state}\n{log}"
-    assert "Ray cluster up: 1 node(s)" in log, log
-    assert "standin driver: 1 alive Ray node(s); task ran on" in log, log
+    # both nodes: the worker joined once Ray reported the head alive, the driver once Ray reported 2
+    assert "Ray cluster up: 2 node(s)" in log, log
+    assert "standin driver: 2 alive Ray node(s); task ran on" in log, log
     assert "deadline override present" in log, "verl/launch.py hands the deadline to Ray's workers"
     assert "hpcrl: Ray stopped" in log, log
     assert "forcing job termination" not in log, "Ray stopped itself on TERM; srun did not have to kill it"

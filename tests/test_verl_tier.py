@@ -186,6 +186,8 @@ def test_ppo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, 
     assert (ckpt / f"global_step_{total}" / "actor").is_dir() and (ckpt / f"global_step_{total}" / "critic").is_dir()
     critic_loss = [r["data"].get("critic/vf_loss") for r in segment_metrics(run.dir, 2) if "timing_s/step" in r["data"]]
     assert all(isinstance(v, (int, float)) for v in critic_loss), "the critic trained at every step of segment 2"
+    good = json.loads(hpcrl("status", "vppo", "--json").stdout)[0]["goodput"]
+    assert [g["k"] for g in good if g["goodput"] is not None] == [1, 2], good  # verl's goodput, as builtin's
     no_ray_left()
 
 

@@ -293,7 +293,9 @@ def hpcrl_record(rec: dict, segment: int | None = None, now: float | None = None
         out["segment"] = segment
     if now is not None:
         out["time"] = round(now, 3)
-    if not isinstance(rec["data"].get("timing_s/step"), (int, float)):
+    if isinstance(rec["data"].get("timing_s/step"), (int, float)):
+        out["step_time_s"] = rec["data"]["timing_s/step"]  # the built-in trainer's name (results.segment_timings)
+    else:
         out["phase"] = "eval"
     for src, dst in METRIC_KEYS.items():
         if isinstance(rec["data"].get(src), (int, float)):
@@ -410,9 +412,9 @@ class Supervisor:
         while self.proc.poll() is None:
             time.sleep(POLL_S)
             self.poll_once()
-        if self.stopped_for_continue or self.term:
+        if self.stopped_for_continue:
             self.settle()
-        else:
+        else:  # a TERM from outside (walltime, preemption) wants a prompt exit: the next segment aligns
             self.poll_once()
         if self.stopped_for_continue:
             return EXIT_CONTINUE
