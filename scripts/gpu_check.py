@@ -104,8 +104,9 @@ class Phases:
         setattr(obj, attr, timed)
 
 
-def instrument(trainer, phases: Phases) -> None:
-    """Time the trainer's phases by wrapping the calls it makes (no change to what it does)."""
+def instrument(trainer, phases: Phases):
+    """Time the trainer's phases by wrapping the calls it makes (no change to what it does);
+    returns a function that puts the two module-level functions back."""
     import torch
 
     from hpcrl.rl import loop
@@ -126,6 +127,11 @@ def instrument(trainer, phases: Phases) -> None:
         with phases.timed("backward"):
             return real_backward(self, *a, **k)
     torch.Tensor.backward = backward
+
+    def undo():
+        loop.policy.response_logprobs = real_logprobs
+        torch.Tensor.backward = real_backward
+    return undo
 
 
 def run(ns) -> dict:
@@ -159,9 +165,12 @@ def run(ns) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     trainer = RLTrainer(cfg, ctx, stop)
     phases = Phases(trainer.device)
-    instrument(trainer, phases)
+    undo = instrument(trainer, phases)
     t0 = time.monotonic()
-    code = trainer.run()  # steps, then the final (synchronous) save
+    try:
+        code = trainer.run()  # steps, then the final (synchronous) save
+    finally:
+        undo()
     run_s = time.monotonic() - t0
     if code != protocol.EXIT_COMPLETE:
         sys.exit(f"gpu-check: the trainer exited {code}, not {protocol.EXIT_COMPLETE} (complete)")
