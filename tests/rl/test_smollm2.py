@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 
@@ -118,32 +117,33 @@ def _train_steps(rdir):
 @pytest.mark.timeout(1800)
 def test_smollm2_recipe_learns_through_submit_across_segments(fast_local, tmp_path):
     """The recipe as a user runs it, cut into two segments by the walltime signal (the local
-    backend's own USR1 to the batch shell, sent here once step 5 is logged instead of at a
+    backend's own USR1 to the batch shell, sent here once step 4 is logged instead of at a
     clock time, so the split does not depend on the machine's speed)."""
     spec = tmp_path / "sm.yaml"
     hpcrl("init", "--recipe", "smollm2-arithmetic", "--out", spec)
     hpcrl("submit", spec, "--site", fast_local, "--name", "sm", "--hours", "1")
     rdir = run_dir("sm")
-    wait_until(lambda: len(_train_steps(rdir)) >= 5 or run_state("sm")["state"] != "RUNNING", timeout=1500,
-               what="step 5 of the SmolLM2 run")
+    wait_until(lambda: len(_train_steps(rdir)) >= 4 or run_state("sm")["state"] != "RUNNING", timeout=1500,
+               what="step 4 of the SmolLM2 run")
     rec = json.loads((rdir / ".queue" / "1.json").read_text())
     os.kill(rec["pgid"], signal.SIGUSR1)
     state = wait_for_run("sm", timeout=1500)
     assert state["state"] == "COMPLETED", state
     segs = started(state)
-    assert len(segs) >= 2 and segs[0]["state"] == "CONTINUE" and segs[1]["start_step"] >= 5
+    assert len(segs) >= 2 and segs[0]["state"] == "CONTINUE" and segs[1]["start_step"] >= 4
     rows = read_metrics(rdir)
     train = [r for r in rows if r.get("phase") == "train"]
-    assert [r["step"] for r in train] == list(range(1, 13)), "every step ran once across the segments"
+    assert [r["step"] for r in train] == list(range(1, 11)), "every step ran once across the segments"
     ev = {r["phase"]: r for r in rows if r.get("phase", "").startswith("eval")}
     before, after = ev["eval_before"]["eval/reward_mean"], ev["eval_after"]["eval/reward_mean"]
     first = sum(r["reward_mean"] for r in train[:3]) / 3
     last = sum(r["reward_mean"] for r in train[-3:]) / 3
-    print(f"SmolLM2 arithmetic: greedy eval {before:.3f} -> {after:.3f}; sampled reward, steps 1-3 "
-          f"{first:.3f} -> steps 10-12 {last:.3f}", file=sys.stderr)
-    # greedy evaluation of the same 32 problems before and after: each is 0 or 1, so a rise of
-    # 0.25 is 8 more problems answered; the sampled reward (96 answers per 3 steps) rises too
-    assert after >= before + 0.25
+    lens = [round(r["response_len_mean"], 1) for r in train]
+    print(f"SmolLM2 arithmetic: greedy eval reward {before:.3f} -> {after:.3f}; sampled reward, steps 1-3 "
+          f"{first:.3f} -> steps 8-10 {last:.3f}; response tokens by step {lens}", file=sys.stderr)
+    # The sampled reward over 96 answers (3 steps) has a standard error of ~0.04: a rise of 0.2
+    # is several times what noise gives; the greedy evaluation of the same 16 problems rises too.
     assert last >= first + 0.2
+    assert after >= before + 0.1
     config = json.loads((rdir / "model" / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and (rdir / "model" / "tokenizer.json").is_file()
