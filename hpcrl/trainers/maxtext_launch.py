@@ -1,0 +1,265 @@
+"""Job-side launcher for MaxText's RL trainer: runs it, stops it right after a committed save.
+
+Stdlib only, and standalone on purpose (as verl_launch.py): the adapter copies this file into the
+run directory (`maxtext/launch.py`), so the job's interpreter (a Python >= 3.12 venv on the TPU
+VM) needs no hpcrl. The argv the batch script shows is the whole static MaxText command line;
+this script only appends, per segment:
+
+    num_test_batches=0    on every segment after the first with --eval first (MaxText has no key
+                          that skips only the pre-training evaluation; it reruns it on every
+                          resume otherwise: num_test_batches x eval batch x num_eval_passes
+                          greedy generations per segment)
+
+Why it exists (measured, /work/shared/notes/maxtext-cpu.md): MaxText's RL path (MaxText and
+Tunix) handles no signal. SIGTERM ends it with no save; SIGUSR1 kills it, also in the middle of
+a save, leaving `<step>.orbax-checkpoint-tmp*`. Its saves come at step 1, every
+checkpoint_period steps and at the last step, into <base>/<run>/checkpoints/actor/<step>/.
+So this script speaks the walltime protocol for it:
+
+- a save is committed when `<step>/` exists (Orbax renames its temporary directory; on GCS,
+  where nothing is renamed, `<step>/commit_success.txt` marks it);
+- it never lets a signal land during a save: it freezes MaxText's process group (SIGSTOP, which
+  nothing can handle or delay), looks for a temporary directory, and only then kills it
+  (SIGKILL: there is nothing left to save); a save caught in progress is resumed (SIGCONT) and
+  waited for;
+- after each committed save it asks whether the next one (checkpoint_period steps at the
+  slowest measured pace, plus the slowest save) would finish before the deadline; if not, it
+  stops MaxText at once and exits EXIT_CONTINUE (85). USR1 (walltime near) and TERM do the
+  same at the first safe point;
+- before starting MaxText it deletes the temporary directories an interrupted save left (MaxText
+  ignores them on resume and leaves them on disk);
+- MaxText exiting 0 is the run's end (exit 0) only if the last step it was asked for is saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The walltime protocol's names (hpcrl/protocol.py), repeated: this file runs in the job's own
+# interpreter, which may not have hpcrl; tests/test_maxtext.py keeps them equal.
+EXIT_CONTINUE = 85
+EXIT_UNSAVED_END = 1
+ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SEGMENT", "HPCRL_DEADLINE", "HPCRL_METRICS"
+ERROR_FILE = "trainer_error.txt"  # protocol.ERROR_FILE
+MODULE = "maxtext.trainers.post_train.rl.train_rl"
+TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary step directory: <step>.orbax-checkpoint-tmp[-<ts>]
+COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker where directories are not renamed (GCS)
+SAVES_FILE = "maxtext-saves.jsonl"  # in RUN_DIR: one line per committed save this launcher saw
+POLL_S = 0.5
+MARGIN_S = 10.0  # slack for the stop itself and the poll interval
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="maxtext/launch.py", description=__doc__.splitlines()[0])
+    p.add_argument("--python", required=True, help="interpreter that runs MaxText")
+    p.add_argument("--ckpt-root", required=True, help="<base_output_directory>/<run_name>/checkpoints/actor")
+    p.add_argument("--period", type=int, required=True, help="checkpoint_period: steps between saves")
+    p.add_argument("--total-steps", type=int, default=0, help="steps of the whole run (0: unknown)")
+    p.add_argument("--save-time-s", type=float, default=60.0, help="what one save may take before one is measured")
+    p.add_argument("--step-time-s", type=float, default=0.0, help="a step's time before one is measured (0: unknown)")
+    p.add_argument("--eval", choices=("first", "every"), default="first",
+                   help="pre-training evaluation in the first segment only, or in every one")
+    p.add_argument("--dry-run", action="store_true", help="print the MaxText argv, run nothing")
+    p.add_argument("keys", nargs="*", help="the static key=value arguments (after --)")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ pure decisions
+
+
+def segment_of(env) -> int:
+    try:
+        return max(1, int(env.get(ENV_SEGMENT) or 1))
+    except ValueError:
+        return 1
+
+
+def deadline_of(env) -> float | None:
+    try:
+        return float(env[ENV_DEADLINE])
+    except (KeyError, ValueError):
+        return None
+
+
+def runtime_keys(opts, env) -> list[str]:
+    out = []
+    if opts.eval == "first" and segment_of(env) > 1:
+        out.append("num_test_batches=0")
+    return out
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps whose save is complete, oldest first."""
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    out = []
+    for p in entries:
+        if p.name.isdigit() and p.is_dir():
+            out.append(int(p.name))
+    return sorted(out)
+
+
+def temporary_dirs(root: Path) -> list[Path]:
+    try:
+        return sorted(p for p in root.iterdir() if TMP_MARK in p.name)
+    except OSError:
+        return []
+
+
+def clean_temporary(root: Path) -> list[Path]:
+    """Temporary step directories of interrupted saves (MaxText skips them and leaves them)."""
+    doomed = temporary_dirs(root)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return doomed
+
+
+def should_stop(opts, seconds_left: float, step_s: float | None, save_s: float | None) -> bool:
+    """Right after a committed save: stop when the next one could not be committed before the deadline."""
+    if not step_s:
+        return False  # nothing measured yet: nothing to size the decision with
+    need = opts.period * step_s + max(save_s or 0.0, 1.0) + MARGIN_S
+    return seconds_left < need
+
+
+def pace(saves: list[tuple[int, float]]) -> float | None:
+    """Slowest seconds per step between consecutive saves seen (a save's own time included).
+    The first save of a segment comes after start-up and compilation: it starts the clock only."""
+    rates = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(saves, saves[1:]) if s1 > s0]
+    return max(rates) if rates else None
+
+
+# ------------------------------------------------------------------ process supervision
+
+
+class Supervisor:
+    """Runs MaxText in its own process group and watches its checkpoint directory."""
+
+    def __init__(self, opts, argv, env, run_dir: Path):
+        self.opts, self.argv, self.env, self.run_dir = opts, argv, env, run_dir
+        self.root = Path(opts.ckpt_root)
+        self.proc = None
+        self.known = set(committed_steps(self.root))
+        self.saves: list[tuple[int, float]] = []  # (step, when seen committed) in this segment
+        self.save_started: dict[str, float] = {}
+        self.save_s: float | None = None
+        self.request = None  # "usr1" | "term": stop at the first safe point
+        self.stopped_for_continue = False
+
+    def on_signal(self, signum, frame):
+        self.request = "term" if signum == signal.SIGTERM else "usr1"
+
+    def _group(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def safe_kill(self) -> bool:
+        """Kill MaxText if no save is in progress; False (and it keeps running) when one is."""
+        self._group(signal.SIGSTOP)  # frozen: no save can start or finish while we look
+        if temporary_dirs(self.root):
+            self._group(signal.SIGCONT)
+            return False
+        self._group(signal.SIGKILL)
+        self._group(signal.SIGCONT)
+        self.proc.wait()
+        return True
+
+    def log(self, msg: str) -> None:
+        print(f"hpcrl: {msg}", file=sys.stderr, flush=True)
+
+    def poll_once(self) -> None:
+        now = time.time()
+        for p in temporary_dirs(self.root):
+            self.save_started.setdefault(p.name.split(".")[0], now)
+        new = [s for s in committed_steps(self.root) if s not in self.known]
+        for step in new:
+            self.known.add(step)
+            self.saves.append((step, now))
+            began = self.save_started.pop(str(step), None)
+            if began is not None:
+                self.save_s = max(self.save_s or 0.0, now - began)
+            record = {"step": step, "time": round(now, 3), "segment": segment_of(self.env)}
+            try:
+                with open(self.run_dir / SAVES_FILE, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError:
+                pass
+        if self.stopped_for_continue or self.proc.poll() is not None:
+            return
+        deadline = deadline_of(self.env)
+        step_s = pace(self.saves) or self.opts.step_time_s or None
+        if new and self.request is None and deadline is not None and (
+                self.opts.total_steps <= 0 or max(new) < self.opts.total_steps) and \
+                should_stop(self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s):
+            self.request = "deadline"
+        if self.request is not None and self.safe_kill():
+            last = max(self.known) if self.known else None
+            why = {"deadline": "the next save would not finish before the deadline",
+                   "usr1": "USR1 (walltime near)", "term": "TERM"}[self.request]
+            self.log(f"stopped MaxText after its committed save of step {last}: {why}")
+            self.stopped_for_continue = True
+
+    def run(self) -> int:
+        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGUSR1, self.on_signal)
+        while self.proc.poll() is None:
+            time.sleep(POLL_S)
+            self.poll_once()
+        self.poll_once()
+        if self.stopped_for_continue:
+            return EXIT_CONTINUE
+        rc = self.proc.returncode
+        if rc == 0:
+            return unsaved_end(self.opts.total_steps, max(self.known) if self.known else None, self.run_dir)
+        return rc if rc >= 0 else 128 - rc
+
+
+def unsaved_end(total: int, saved: int | None, run_dir: Path | None) -> int:
+    """MaxText exited 0: complete only when the last step is saved (it saves it itself)."""
+    if total <= 0 or (saved is not None and saved >= total):
+        return 0
+    reason = (f"MaxText exited 0 but its newest checkpoint is step {saved} of {total}: "
+              f"the run would read COMPLETED without its last steps")
+    print(f"hpcrl: {reason}", file=sys.stderr, flush=True)
+    if run_dir is not None:
+        try:
+            (Path(run_dir) / ERROR_FILE).write_text(reason + "\n", encoding="utf-8")
+        except OSError:
+            pass
+    return EXIT_UNSAVED_END
+
+
+def main(argv=None) -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    run_dir = Path(env.get(ENV_RUN_DIR) or ".")
+    argv = [opts.python, "-m", MODULE, *opts.keys, *runtime_keys(opts, env)]
+    print("hpcrl: running " + " ".join(argv), file=sys.stderr, flush=True)
+    if opts.dry_run:
+        print(json.dumps({"argv": argv}))
+        return 0
+    if opts.ckpt_root.startswith("gs://"):
+        # Orbax on GCS commits with commit_success.txt and leaves no temporary directory to clean:
+        # this launcher watches local directories only; on GCS MaxText runs as it is.
+        return subprocess.call(argv, env=env)
+    for p in clean_temporary(Path(opts.ckpt_root)):
+        print(f"hpcrl: removed {p} (a save interrupted in an earlier segment)", file=sys.stderr, flush=True)
+    return Supervisor(opts, argv, env, run_dir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
