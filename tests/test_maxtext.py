@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from hpcrl.errors import SpecError
-from hpcrl.trainers.maxtext import (MAXTEXT_VERSION, MODULE, MaxTextTrainer, check_user_overrides, config_keys,
+from hpcrl.trainers import maxtext_launch
+from hpcrl.trainers.maxtext import (MAXTEXT_VERSION, MaxTextTrainer, check_user_overrides, config_keys,
                                     maxtext_checkpoint_step)
 
 from helpers import adapter_context
@@ -27,8 +28,12 @@ def ctx_for(args, chips=4, nodes=1, run_dir="/home/u/hpcrl/runs/r-1"):
 
 
 def rendered_pairs(argv):
-    assert argv[:3] == ["python3", "-m", MODULE]  # no config path: MaxText maps this module to post_train/rl.yml
-    return dict(a.split("=", 1) for a in argv[3:])
+    # python3 RUN/maxtext/launch.py --python python3 ... -- key=value ...: the launcher runs
+    # `python3 -m MODULE key=value ...` (no config path: MaxText maps this module to post_train/rl.yml)
+    assert argv[:2] == ["python3", "/home/u/hpcrl/runs/r-1/maxtext/launch.py"] and "--" in argv, argv
+    opts = maxtext_launch.parse_args(argv[2:])
+    assert maxtext_launch.main([*argv[2:argv.index("--")], "--dry-run", "--", *opts.keys]) == 0
+    return dict(a.split("=", 1) for a in opts.keys)
 
 
 @pytest.mark.parametrize("name, loss_algo", [("maxtext-llama3.1-8b-grpo", "grpo"), ("maxtext-llama3.1-8b-gspo", "gspo-token")])
@@ -81,16 +86,99 @@ def test_bad_values_name_the_field(args, ctx_kw, field):
         trainer.command(ctx)
 
 
-def test_load_parameters_path_is_required():
+def test_recipes_load_a_checkpoint_and_null_means_random_init():
+    # random initialisation is for tests (the tier); every recipe names the checkpoint to train
+    for name in ("maxtext-llama3.1-8b-grpo", "maxtext-llama3.1-8b-gspo"):
+        assert yaml.safe_load((RECIPES / f"{name}.yaml").read_text())["args"]["load_parameters_path"]
+    assert MaxTextTrainer().validate_args({})["load_parameters_path"] is None
     with pytest.raises(SpecError, match="args.load_parameters_path"):
-        MaxTextTrainer().validate_args({})
+        MaxTextTrainer().validate_args({"load_parameters_path": ""})
 
 
 def test_checkpoint_step_ignores_unfinished_orbax_dirs(tmp_path):
     assert maxtext_checkpoint_step(tmp_path / "missing") is None
-    for name in ("0", "50", "100.orbax-checkpoint-tmp-1712", "tmp"):
+    for name in ("0", "50", "100.orbax-checkpoint-tmp", "100.orbax-checkpoint-tmp-1712", "tmp"):
         (tmp_path / name).mkdir()
     assert MaxTextTrainer().checkpoint_step(tmp_path.parent, tmp_path) == 50
+
+
+def test_checkpoint_step_reads_tunix_actor_dir(tmp_path):
+    # measured (notes/maxtext-cpu.md, and the tier): <base>/<run>/checkpoints/actor/<step>/
+    import json
+
+    run_dir = tmp_path / "r-1"
+    run_dir.mkdir()
+    args = MaxTextTrainer().validate_args({"load_parameters_path": None})
+    (run_dir / "spec.json").write_text(json.dumps({"spec": {"args": args, "resources": {"nodes": 1}},
+                                                   "site": {"chips_per_vm": 4}}))
+    ckpt = run_dir / "maxtext" / "r-1" / "checkpoints"
+    (ckpt / "9").mkdir(parents=True)  # not Tunix's place: ignored
+    assert MaxTextTrainer().checkpoint_step(run_dir, run_dir / "checkpoints") is None
+    for name in ("1", "2", "4", "6.orbax-checkpoint-tmp"):
+        (ckpt / "actor" / name).mkdir(parents=True)
+    assert MaxTextTrainer().checkpoint_step(run_dir, run_dir / "checkpoints") == 4
+
+
+@pytest.mark.parametrize("args, overrides, steps", [
+    ({"num_batches": 10}, [], 10), ({"num_batches": 10, "num_epoch": 2}, [], 20),
+    ({"num_batches": 10}, ["num_iterations=2", "train_fraction=0.5"], 10),
+    ({}, [], 4),  # rl.yml's num_batches
+])
+def test_total_steps_is_maxtexts_train_steps(args, overrides, steps):
+    # types.py: train_steps = num_batches x num_iterations x train_fraction x num_epoch
+    a = MaxTextTrainer().validate_args({"load_parameters_path": None, **args, "overrides": overrides})
+    assert MaxTextTrainer().total_steps(a) == steps
+
+
+def test_random_init_leaves_load_parameters_path_out():
+    # MaxText rejects an empty load_parameters_path; null renders nothing (random initialisation)
+    trainer, ctx = ctx_for({"load_parameters_path": None})
+    assert "load_parameters_path" not in rendered_pairs(trainer.command(ctx))
+
+
+def test_launcher_argv_carries_cadence_layout_and_eval_choice():
+    trainer, ctx = ctx_for({"load_parameters_path": "x", "checkpoint_period": 7, "num_batches": 30,
+                            "eval_every_segment": True})
+    argv = trainer.command(ctx)
+    opts = maxtext_launch.parse_args(argv[2:])
+    assert opts.ckpt_root == "/home/u/hpcrl/runs/r-1/maxtext/r-1/checkpoints/actor"
+    assert (opts.period, opts.total_steps, opts.eval) == (7, 30, "every")
+    assert trainer.files(ctx)["maxtext/launch.py"] == Path(maxtext_launch.__file__).read_text()
+
+
+def test_launcher_protocol_names_match_hpcrl():
+    from hpcrl import protocol
+
+    assert maxtext_launch.EXIT_CONTINUE == protocol.EXIT_CONTINUE and maxtext_launch.ERROR_FILE == protocol.ERROR_FILE
+    assert (maxtext_launch.ENV_RUN_DIR, maxtext_launch.ENV_SEGMENT, maxtext_launch.ENV_DEADLINE) == (
+        protocol.ENV_RUN_DIR, protocol.ENV_SEGMENT, protocol.ENV_DEADLINE)
+
+
+def test_launcher_skips_pre_training_eval_after_the_first_segment():
+    opts = maxtext_launch.parse_args(["--python", "p", "--ckpt-root", "c", "--period", "2"])
+    assert maxtext_launch.runtime_keys(opts, {"HPCRL_SEGMENT": "1"}) == []
+    assert maxtext_launch.runtime_keys(opts, {"HPCRL_SEGMENT": "2"}) == ["num_test_batches=0"]
+    every = maxtext_launch.parse_args(["--python", "p", "--ckpt-root", "c", "--period", "2", "--eval", "every"])
+    assert maxtext_launch.runtime_keys(every, {"HPCRL_SEGMENT": "3"}) == []
+
+
+def test_launcher_stop_decision_and_pace():
+    opts = maxtext_launch.parse_args(["--python", "p", "--ckpt-root", "c", "--period", "5"])
+    assert not maxtext_launch.should_stop(opts, 10, None, None)  # nothing measured: keep going
+    # 5 steps x 4 s + a 6 s save + the 10 s margin = 36 s
+    assert maxtext_launch.should_stop(opts, 35, 4.0, 6.0) and not maxtext_launch.should_stop(opts, 37, 4.0, 6.0)
+    # the first save of a segment (after compilation) only starts the clock; the slowest pace counts
+    assert maxtext_launch.pace([(1, 100.0)]) is None
+    assert maxtext_launch.pace([(1, 100.0), (3, 104.0), (5, 110.0)]) == 3.0
+
+
+def test_launcher_removes_only_temporary_step_dirs(tmp_path):
+    for name in ("2", "4", "6.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp-1712"):
+        (tmp_path / name / "model_params").mkdir(parents=True)
+    removed = maxtext_launch.clean_temporary(tmp_path)
+    assert sorted(p.name for p in removed) == ["6.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp-1712"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4"]
+    assert maxtext_launch.committed_steps(tmp_path) == [2, 4]
 
 
 def test_gs_checkpoints_are_listed_by_the_hooks_and_read_from_the_cache_by_status(tmp_path, monkeypatch):
@@ -105,11 +193,17 @@ def test_gs_checkpoints_are_listed_by_the_hooks_and_read_from_the_cache_by_statu
     args = MaxTextTrainer().validate_args({"load_parameters_path": "gs://b/ckpt", "base_output_directory": "gs://bucket"})
     (run_dir / "spec.json").write_text(json.dumps({"spec": {"args": args, "resources": {"nodes": 1}},
                                                    "site": {"chips_per_vm": 4}}))
-    root = tmp_path / "gcs" / "bucket" / "r-1" / "checkpoints"
+    # Tunix's layout: checkpoints/actor/<step>/; on GCS Orbax writes <step>/ in place and commits
+    # it with commit_success.txt last (a step directory without it is a save in progress)
+    root = tmp_path / "gcs" / "bucket" / "r-1" / "checkpoints" / "actor"
     trainer, calls = MaxTextTrainer(), fake / "calls.jsonl"
     assert trainer.checkpoint_step(run_dir, run_dir / "checkpoints", remote=True) is None  # nothing there yet
-    for name in ("0", "50", "100.orbax-checkpoint-tmp-1712"):
+    for name in ("0", "50", "100", "100.orbax-checkpoint-tmp-1712"):
         root.joinpath(name).mkdir(parents=True)
+    for name in ("0", "50"):
+        root.joinpath(name, "commit_success.txt").write_text("")
+    root.parent.joinpath("70").mkdir()  # directly under checkpoints/: not where Tunix writes
+    root.parent.joinpath("70", "commit_success.txt").write_text("")
     assert trainer.checkpoint_step(run_dir, run_dir / "checkpoints", remote=True) == 50
     listed = calls.read_text()
     assert trainer.checkpoint_step(run_dir, run_dir / "checkpoints") == 50  # status: the cached listing

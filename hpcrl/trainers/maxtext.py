@@ -52,8 +52,8 @@ SCHEMA = Schema("maxtext", [
     Choice("algorithm", "grpo", LOSS_ALGO, "grpo | gspo (loss_algo=gspo-token)"),
     Str("model_name", "llama3.1-8b-Instruct", "MaxText model name (configs/models/<name>.yml, -Instruct stripped)",
         nonempty=True),
-    Str("load_parameters_path", None, "MaxText checkpoint .../0/items (tutorial option 1 or 2)", required=True,
-        nullable=True, nonempty=True),
+    Str("load_parameters_path", None, "MaxText checkpoint .../0/items (tutorial option 1 or 2); null: random "
+        "initialisation (MaxText rejects an empty value; the recipes always set one)", nullable=True, nonempty=True),
     Str("tokenizer_path", None, "null: MaxText's HF id for model_name", nullable=True, nonempty=True),
     Str("base_output_directory", None, "null: <run dir>/maxtext; on TPU use gs://BUCKET/...", nullable=True,
         nonempty=True),

@@ -24,8 +24,9 @@ So this script speaks the walltime protocol for it:
   waited for;
 - after each committed save it asks whether the next one (checkpoint_period steps at the
   slowest measured pace, plus the slowest save) would finish before the deadline; if not, it
-  stops MaxText at once and exits EXIT_CONTINUE (85). USR1 (walltime near) and TERM do the
-  same at the first safe point;
+  stops MaxText at once and exits EXIT_CONTINUE (85). TERM does the same at the first safe
+  point; USR1 (walltime near) too, unless the next save still fits before the deadline: then
+  right after that save;
 - before starting MaxText it deletes the temporary directories an interrupted save left (MaxText
   ignores them on resume and leaves them on disk);
 - MaxText exiting 0 is the run's end (exit 0) only if the last step it was asked for is saved.
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -52,8 +52,8 @@ ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SE
 ERROR_FILE = "trainer_error.txt"  # protocol.ERROR_FILE
 MODULE = "maxtext.trainers.post_train.rl.train_rl"
 TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary step directory: <step>.orbax-checkpoint-tmp[-<ts>]
-COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker where directories are not renamed (GCS)
 SAVES_FILE = "maxtext-saves.jsonl"  # in RUN_DIR: one line per committed save this launcher saw
+SEGMENTS_FILE = "maxtext-segments.jsonl"  # in RUN_DIR: per segment, what was run (start) and how it ended (end)
 POLL_S = 0.5
 MARGIN_S = 10.0  # slack for the stop itself and the poll interval
 
@@ -156,6 +156,7 @@ class Supervisor:
         self.save_s: float | None = None
         self.request = None  # "usr1" | "term": stop at the first safe point
         self.stopped_for_continue = False
+        self.cleaned: list[str] = []  # temporary directories of interrupted saves removed at start
 
     def on_signal(self, signum, frame):
         self.request = "term" if signum == signal.SIGTERM else "usr1"
@@ -205,6 +206,9 @@ class Supervisor:
                 self.opts.total_steps <= 0 or max(new) < self.opts.total_steps) and \
                 should_stop(self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s):
             self.request = "deadline"
+        if self.request == "usr1" and not new and deadline is not None and not should_stop(
+                self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s):
+            return  # walltime near, yet the next save still fits: stop right after it rather than lose its steps
         if self.request is not None and self.safe_kill():
             last = max(self.known) if self.known else None
             why = {"deadline": "the next save would not finish before the deadline",
@@ -212,7 +216,22 @@ class Supervisor:
             self.log(f"stopped MaxText after its committed save of step {last}: {why}")
             self.stopped_for_continue = True
 
+    def record(self, **fields) -> None:
+        try:
+            with open(self.run_dir / SEGMENTS_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"segment": segment_of(self.env), **fields}) + "\n")
+        except OSError:
+            pass
+
     def run(self) -> int:
+        self.record(event="start", argv=self.argv, cleaned=self.cleaned)
+        rc = self._run()
+        self.record(event="end", rc=rc, first_save=self.saves[0][0] if self.saves else None,
+                    last_save=self.saves[-1][0] if self.saves else None,
+                    stopped_for=self.request if self.stopped_for_continue else None)
+        return rc
+
+    def _run(self) -> int:
         self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGUSR1, self.on_signal)
@@ -256,9 +275,11 @@ def main(argv=None) -> int:
         # Orbax on GCS commits with commit_success.txt and leaves no temporary directory to clean:
         # this launcher watches local directories only; on GCS MaxText runs as it is.
         return subprocess.call(argv, env=env)
+    sup = Supervisor(opts, argv, env, run_dir)
     for p in clean_temporary(Path(opts.ckpt_root)):
         print(f"hpcrl: removed {p} (a save interrupted in an earlier segment)", file=sys.stderr, flush=True)
-    return Supervisor(opts, argv, env, run_dir).run()
+        sup.cleaned.append(p.name)
+    return sup.run()
 
 
 if __name__ == "__main__":

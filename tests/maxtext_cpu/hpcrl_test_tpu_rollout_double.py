@@ -15,12 +15,17 @@ Tunix's "vanilla" rollout). This module stands in for both modules:
   every new token (no KV cache: tiny models only), with the temperature / top-k of the rollout
   config, stopping at EOS. Everything else (config, model, Tunix learner, rewards, Orbax
   checkpoints, resume) is MaxText's and Tunix's own code, unchanged.
+
+HPCRL_TEST_ROLLOUT_DELAY_S (seconds, default 0) makes each generate() take at least that long, as
+a real rollout of long answers would: a tier test sets it so that a segment's walltime holds a
+bounded number of steps however fast the machine is (a tiny model steps in ~0.3 s).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 
 if os.environ.get("HPCRL_TEST_TPU_ROLLOUT_DOUBLE") != "1":
     raise ImportError("hpcrl_test_tpu_rollout_double is a test double: set HPCRL_TEST_TPU_ROLLOUT_DOUBLE=1 in a test only")
@@ -71,6 +76,7 @@ class MaxTextVllmRollout(base_rollout.BaseRollout):
                                               eos_id=self.eos_id(), stop_gradient=True, return_logits=False)
 
     def generate(self, prompts, rollout_config, **kwargs):
+        started = time.monotonic()
         plen, new = int(rollout_config.max_prompt_length), int(rollout_config.max_tokens_to_generate)
         pad, eos = self.pad_id(), self.eos_id()
         bos = self._tok.bos_id()
@@ -89,11 +95,12 @@ class MaxTextVllmRollout(base_rollout.BaseRollout):
         key = jax.random.fold_in(jax.random.PRNGKey(int(seed)), self._calls)
         self._calls += 1
         graphdef, state = nnx.split(self._model)
-        shape = (plen, new, pad, temperature, top_k)
+        shape = (plen, new, pad, temperature > 0, top_k > 0)
         if self._sample is None or self._sample[0] != shape:  # one compilation per shape, not per call
-            self._sample = (shape, jax.jit(functools.partial(_sample, graphdef, new=new, pad=pad,
-                                                             temperature=temperature, top_k=top_k)))
-        tokens = np.asarray(self._sample[1](state, jnp.asarray(prompt), key))
+            self._sample = (shape, jax.jit(functools.partial(_sample, graphdef, new=new, pad=pad, greedy=temperature <= 0,
+                                                             use_top_k=top_k > 0)))
+        tokens = np.asarray(self._sample[1](state, jnp.asarray(prompt), key, jnp.float32(max(temperature, 1e-6)),
+                                            jnp.int32(max(top_k, 1))))
         out_tokens, texts = [], []
         for row in tokens:
             gen = row[plen:]
@@ -101,6 +108,7 @@ class MaxTextVllmRollout(base_rollout.BaseRollout):
             gen = gen[: stop[0]] if stop.size else gen
             out_tokens.append(gen)
             texts.append(self._tok.decode(gen.tolist()))
+        time.sleep(max(0.0, float(os.environ.get("HPCRL_TEST_ROLLOUT_DELAY_S") or 0) - (time.monotonic() - started)))
         return base_rollout.RolloutOutput(text=texts, logits=[None] * len(texts), tokens=out_tokens,
                                           left_padded_prompt_tokens=prompt, logprobs=None)
 
@@ -110,7 +118,7 @@ def _positions(tokens, pad):
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
 
-def _sample(graphdef, state, prompt, key, *, new, pad, temperature, top_k):
+def _sample(graphdef, state, prompt, key, temperature, top_k, *, new, pad, greedy, use_top_k):
     b, plen = prompt.shape
     buf = jnp.concatenate([prompt, jnp.full((b, new), pad, prompt.dtype)], axis=1)
 
@@ -120,12 +128,13 @@ def _sample(graphdef, state, prompt, key, *, new, pad, temperature, top_k):
         positions = _positions(buf, pad)
         logits, _ = model(buf, positions, None, None)
         last = jax.lax.dynamic_index_in_dim(logits, plen + i - 1, axis=1, keepdims=False).astype(jnp.float32)
-        if temperature <= 0:
+        if greedy:
             nxt = jnp.argmax(last, axis=-1)
         else:
             last = last / temperature
-            if top_k > 0:
-                kth = jax.lax.top_k(last, top_k)[0][:, -1:]
+            if use_top_k:
+                ranked = jnp.sort(last, axis=-1)[:, ::-1]
+                kth = jax.lax.dynamic_index_in_dim(ranked, jnp.minimum(top_k, last.shape[-1]) - 1, axis=1)
                 last = jnp.where(last < kth, -jnp.inf, last)
             key, sub = jax.random.split(key)
             nxt = jax.random.categorical(sub, last, axis=-1)
