@@ -215,3 +215,24 @@ def test_test_data_is_the_wheels_yaml():
     assert MAXTEXT_VERSION in readme and "maxtext/configs/post_train/rl.yml" in readme
     assert len(WHEEL_SHA256) == 64 and hashlib.sha256((DATA / "rl.yml").read_bytes()).hexdigest()
     assert {"chips_per_vm", "checkpoint_period", "loss_algo", "num_generations", "run_name"} <= RL_KEYS
+
+
+def test_launcher_reads_gcs_commit_markers_and_cleans_uncommitted_steps(tmp_path, monkeypatch):
+    # On GCS Orbax writes <step>/ in place and commit_success.txt last (the fake gcloud, a test
+    # double, maps gs:// to a local folder)
+    from helpers import use_fake_gcloud
+
+    _, gcs = use_fake_gcloud(monkeypatch, tmp_path)
+    actor = gcs / "bucket" / "hpcrl" / "r-1" / "checkpoints" / "actor"
+    for name in ("2", "4", "6", "8.orbax-checkpoint-tmp"):
+        (actor / name / "model_params").mkdir(parents=True)
+        (actor / name / "model_params" / "x").write_text("x")
+    for name in ("2", "4"):
+        (actor / name / "commit_success.txt").write_text("")
+    store = maxtext_launch.store_for("gs://bucket/hpcrl/r-1/checkpoints/actor/")
+    assert isinstance(store, maxtext_launch.GcsStore)
+    assert store.committed() == [2, 4]
+    assert store.in_progress() == ["6", "8.orbax-checkpoint-tmp"]  # 6: a save still writing, or torn
+    assert store.clean() == ["6", "8.orbax-checkpoint-tmp"]
+    assert sorted(p.name for p in actor.iterdir()) == ["2", "4"] and store.in_progress() == []
+    assert maxtext_launch.store_for(str(tmp_path)).poll_s < store.poll_s

@@ -16,8 +16,9 @@ a save, leaving `<step>.orbax-checkpoint-tmp*`. Its saves come at step 1, every
 checkpoint_period steps and at the last step, into <base>/<run>/checkpoints/actor/<step>/.
 So this script speaks the walltime protocol for it:
 
-- a save is committed when `<step>/` exists (Orbax renames its temporary directory; on GCS,
-  where nothing is renamed, `<step>/commit_success.txt` marks it);
+- a save is committed when `<step>/` exists (Orbax renames its temporary directory); on GCS,
+  where nothing is renamed, when `<step>/commit_success.txt` does (listed with `gcloud storage`
+  every GCS_POLL_S);
 - it never lets a signal land during a save: it freezes MaxText's process group (SIGSTOP, which
   nothing can handle or delay), looks for a temporary directory, and only then kills it
   (SIGKILL: there is nothing left to save); a save caught in progress is resumed (SIGCONT) and
@@ -52,6 +53,8 @@ ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SE
 ERROR_FILE = "trainer_error.txt"  # protocol.ERROR_FILE
 MODULE = "maxtext.trainers.post_train.rl.train_rl"
 TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary step directory: <step>.orbax-checkpoint-tmp[-<ts>]
+COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker, what tells a finished save on GCS
+GCS_POLL_S = 15.0
 SAVES_FILE = "maxtext-saves.jsonl"  # in RUN_DIR: one line per committed save this launcher saw
 SEGMENTS_FILE = "maxtext-segments.jsonl"  # in RUN_DIR: per segment, what was run (start) and how it ended (end)
 POLL_S = 0.5
@@ -125,11 +128,71 @@ def clean_temporary(root: Path) -> list[Path]:
     return doomed
 
 
-def should_stop(opts, seconds_left: float, step_s: float | None, save_s: float | None) -> bool:
+class LocalStore:
+    """A local (or mounted) checkpoint root: Orbax writes <step>.orbax-checkpoint-tmp*/ and renames it."""
+
+    poll_s = POLL_S
+
+    def __init__(self, root: str):
+        self.root = Path(root)
+
+    def committed(self) -> list[int]:
+        return committed_steps(self.root)
+
+    def in_progress(self) -> list[str]:
+        return [p.name for p in temporary_dirs(self.root)]
+
+    def clean(self) -> list[str]:
+        return [p.name for p in clean_temporary(self.root)]
+
+
+class GcsStore:
+    """A gs:// checkpoint root, listed with `gcloud storage` (HPCRL_GS overrides the command, as in
+    the TPU startup script). Orbax renames nothing on GCS: it writes <step>/ in place and commits
+    it with <step>/commit_success.txt last, so a step directory without that file is a save in
+    progress (or one a kill tore). Listing costs a request: polled every GCS_POLL_S."""
+
+    poll_s = GCS_POLL_S
+
+    def __init__(self, url: str, env=None):
+        self.url = url.rstrip("/")
+        self.gs = (env or os.environ).get("HPCRL_GS", "gcloud storage").split()
+
+    def _ls(self, pattern: str) -> list[str]:
+        try:
+            out = subprocess.run([*self.gs, "ls", pattern], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return out.stdout.splitlines() if out.returncode == 0 else []
+
+    def committed(self) -> list[int]:
+        tail = "/" + COMMIT_FILE
+        names = [ln.strip()[len(self.url) + 1:-len(tail)] for ln in self._ls(f"{self.url}/*{tail}")
+                 if ln.strip().startswith(self.url + "/") and ln.strip().endswith(tail)]
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def in_progress(self) -> list[str]:
+        done = set(self.committed())
+        names = [ln.strip()[len(self.url) + 1:].rstrip("/") for ln in self._ls(self.url + "/")
+                 if ln.strip().startswith(self.url + "/") and ln.strip().endswith("/")]
+        return sorted(n for n in names if TMP_MARK in n or (n.isdigit() and int(n) not in done))
+
+    def clean(self) -> list[str]:
+        doomed = self.in_progress()
+        for name in doomed:
+            subprocess.run([*self.gs, "rm", "-r", f"{self.url}/{name}"], capture_output=True, timeout=600)
+        return doomed
+
+
+def store_for(root: str, env=None):
+    return GcsStore(root, env) if root.startswith("gs://") else LocalStore(root)
+
+
+def should_stop(opts, seconds_left: float, step_s: float | None, save_s: float | None, poll_s: float = 0.0) -> bool:
     """Right after a committed save: stop when the next one could not be committed before the deadline."""
     if not step_s:
         return False  # nothing measured yet: nothing to size the decision with
-    need = opts.period * step_s + max(save_s or 0.0, 1.0) + MARGIN_S
+    need = opts.period * step_s + max(save_s or 0.0, 1.0) + MARGIN_S + poll_s
     return seconds_left < need
 
 
@@ -148,9 +211,9 @@ class Supervisor:
 
     def __init__(self, opts, argv, env, run_dir: Path):
         self.opts, self.argv, self.env, self.run_dir = opts, argv, env, run_dir
-        self.root = Path(opts.ckpt_root)
+        self.store = store_for(opts.ckpt_root, env)
         self.proc = None
-        self.known = set(committed_steps(self.root))
+        self.known = set(self.store.committed())
         self.saves: list[tuple[int, float]] = []  # (step, when seen committed) in this segment
         self.save_started: dict[str, float] = {}
         self.save_s: float | None = None
@@ -170,7 +233,7 @@ class Supervisor:
     def safe_kill(self) -> bool:
         """Kill MaxText if no save is in progress; False (and it keeps running) when one is."""
         self._group(signal.SIGSTOP)  # frozen: no save can start or finish while we look
-        if temporary_dirs(self.root):
+        if self.store.in_progress():
             self._group(signal.SIGCONT)
             return False
         self._group(signal.SIGKILL)
@@ -183,9 +246,9 @@ class Supervisor:
 
     def poll_once(self) -> None:
         now = time.time()
-        for p in temporary_dirs(self.root):
-            self.save_started.setdefault(p.name.split(".")[0], now)
-        new = [s for s in committed_steps(self.root) if s not in self.known]
+        for name in self.store.in_progress():
+            self.save_started.setdefault(name.split(".")[0], now)
+        new = [s for s in self.store.committed() if s not in self.known]
         for step in new:
             self.known.add(step)
             self.saves.append((step, now))
@@ -204,10 +267,11 @@ class Supervisor:
         step_s = pace(self.saves) or self.opts.step_time_s or None
         if new and self.request is None and deadline is not None and (
                 self.opts.total_steps <= 0 or max(new) < self.opts.total_steps) and \
-                should_stop(self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s):
+                should_stop(self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s,
+                            self.store.poll_s):
             self.request = "deadline"
         if self.request == "usr1" and not new and deadline is not None and not should_stop(
-                self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s):
+                self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s, self.store.poll_s):
             return  # walltime near, yet the next save still fits: stop right after it rather than lose its steps
         if self.request is not None and self.safe_kill():
             last = max(self.known) if self.known else None
@@ -236,7 +300,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGUSR1, self.on_signal)
         while self.proc.poll() is None:
-            time.sleep(POLL_S)
+            time.sleep(self.store.poll_s)
             self.poll_once()
         self.poll_once()
         if self.stopped_for_continue:
@@ -271,14 +335,11 @@ def main(argv=None) -> int:
     if opts.dry_run:
         print(json.dumps({"argv": argv}))
         return 0
-    if opts.ckpt_root.startswith("gs://"):
-        # Orbax on GCS commits with commit_success.txt and leaves no temporary directory to clean:
-        # this launcher watches local directories only; on GCS MaxText runs as it is.
-        return subprocess.call(argv, env=env)
     sup = Supervisor(opts, argv, env, run_dir)
-    for p in clean_temporary(Path(opts.ckpt_root)):
-        print(f"hpcrl: removed {p} (a save interrupted in an earlier segment)", file=sys.stderr, flush=True)
-        sup.cleaned.append(p.name)
+    for name in sup.store.clean():
+        print(f"hpcrl: removed {opts.ckpt_root.rstrip('/')}/{name} (a save interrupted in an earlier segment)",
+              file=sys.stderr, flush=True)
+        sup.cleaned.append(name)
     return sup.run()
 
 
