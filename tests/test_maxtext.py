@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,55 @@ def test_launcher_reads_gcs_commit_markers_and_cleans_uncommitted_steps(tmp_path
     assert store.clean() == ["6", "8.orbax-checkpoint-tmp"]
     assert sorted(p.name for p in actor.iterdir()) == ["2", "4"] and store.in_progress() == []
     assert maxtext_launch.store_for(str(tmp_path)).poll_s < store.poll_s
+
+
+STAND_IN = """#!/bin/bash
+# TEST DOUBLE of a MaxText process in the middle of an Orbax save: the step's temporary directory
+# exists until the test allows the rename (the commit); ignores every signal it can.
+trap '' TERM USR1 INT
+trap 'touch "$CKPT/continued"' CONT  # the launcher froze it (SIGSTOP) and let it go on
+cd "$CKPT"
+mkdir -p 2.orbax-checkpoint-tmp/model_params
+touch ready
+while [ ! -e rename-now ]; do sleep 0.05; done
+mv 2.orbax-checkpoint-tmp 2
+touch renamed
+while :; do sleep 0.05; done
+"""
+
+
+def test_launcher_never_kills_during_a_save_and_exits_85_after_it(tmp_path):
+    """A TERM that arrives while a save is in progress: the launcher (a real process) freezes the
+    trainer, sees the temporary directory, lets it go on, and kills it only once the step is
+    committed; then exits 85 and records why."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import wait_until
+
+    ckpt, run_dir = tmp_path / "actor", tmp_path / "run"
+    ckpt.mkdir()
+    run_dir.mkdir()
+    stand_in = tmp_path / "maxtext-stand-in"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    launcher = Path(maxtext_launch.__file__)
+    proc = subprocess.Popen([sys.executable, str(launcher), "--python", str(stand_in), "--ckpt-root", str(ckpt),
+                             "--period", "2", "--total-steps", "10", "--", "run_name=r"],
+                            env={**os.environ, "CKPT": str(ckpt), "HPCRL_RUN_DIR": str(run_dir), "HPCRL_SEGMENT": "1"})
+    try:
+        wait_until(lambda: (ckpt / "ready").exists(), 60, "the stand-in's save to start")
+        proc.send_signal(15)  # TERM during the save
+        # the launcher freezes the stand-in, sees the save in progress and resumes it (SIGCONT)
+        wait_until(lambda: (ckpt / "continued").exists(), 60, "the launcher to let the save go on",
+                   describe=lambda: f"launcher exit code {proc.poll()}")
+        (ckpt / "rename-now").touch()  # the save commits
+        assert proc.wait(timeout=60) == 85
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (ckpt / "renamed").exists() and (ckpt / "2").is_dir()  # killed only after the commit
+    end = [json.loads(ln) for ln in (run_dir / "maxtext-segments.jsonl").read_text().splitlines()][-1]
+    assert end == {**end, "event": "end", "rc": 85, "stopped_for": "term", "last_save": 2}
+    assert (run_dir / "maxtext-saves.jsonl").read_text().count('"step": 2') == 1
