@@ -59,6 +59,10 @@ SAVES_FILE = "maxtext-saves.jsonl"  # in RUN_DIR: one line per committed save th
 SEGMENTS_FILE = "maxtext-segments.jsonl"  # in RUN_DIR: per segment, what was run (start) and how it ended (end)
 POLL_S = 0.5
 MARGIN_S = 10.0  # slack for the stop itself and the poll interval
+# The next interval is sized at this multiple of the slowest pace seen: a shared node's steps
+# vary (on the 2-core test machine two steps once took 26 s after a run of 6.5 s pairs), and
+# stopping one save early costs one interval while stopping one late loses it
+PACE_SAFETY = 2.0
 
 
 def parse_args(argv):
@@ -192,7 +196,7 @@ def should_stop(opts, seconds_left: float, step_s: float | None, save_s: float |
     """Right after a committed save: stop when the next one could not be committed before the deadline."""
     if not step_s:
         return False  # nothing measured yet: nothing to size the decision with
-    need = opts.period * step_s + max(save_s or 0.0, 1.0) + MARGIN_S + poll_s
+    need = PACE_SAFETY * opts.period * step_s + max(save_s or 0.0, 1.0) + MARGIN_S + poll_s
     return seconds_left < need
 
 
