@@ -291,3 +291,37 @@ def test_launcher_never_kills_during_a_save_and_exits_85_after_it(tmp_path):
     end = [json.loads(ln) for ln in (run_dir / "maxtext-segments.jsonl").read_text().splitlines()][-1]
     assert end == {**end, "event": "end", "rc": 85, "stopped_for": "term", "last_save": 2}
     assert (run_dir / "maxtext-saves.jsonl").read_text().count('"step": 2') == 1
+
+
+def test_launcher_is_standalone_stdlib(tmp_path):
+    # it runs in the job's interpreter (the TPU VM's MaxText venv), which has no hpcrl: -I -S
+    # (no site-packages, no PYTHONPATH, not the checkout) must be enough
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-I", "-S", Path(maxtext_launch.__file__), "--python", "p", "--ckpt-root",
+                          str(tmp_path), "--period", "2", "--dry-run", "--", "run_name=r"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["argv"] == ["p", "-m", maxtext_launch.MODULE, "run_name=r"]
+
+
+def test_metrics_from_tunix_events_reach_hpcrl_records(tmp_path):
+    """Tunix writes scalars as tensorboard events (TFRecord-framed Event protobufs); the launcher
+    reads them with the stdlib and writes hpcrl metric records (what `status` shows). The file is
+    a real one from the MaxText tier (tests/data/maxtext/README.md)."""
+    import shutil
+
+    tb = tmp_path / "tensorboard"
+    tb.mkdir()
+    old = tb / "events.out.tfevents.1.vm"
+    old.write_bytes(b"")  # an earlier segment's file: not this segment's metrics
+    bridge = maxtext_launch.MetricsBridge(tb, str(tmp_path / "metrics.jsonl"))
+    shutil.copy(DATA.parent / "tunix-4-steps.tfevents", tb / "events.out.tfevents.2.vm")
+    first = bridge.poll()
+    last = bridge.poll(final=True)
+    recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert recs == first + last and [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert [r["step"] for r in last] == [4]  # the newest step waits for the final poll
+    for r in recs:
+        assert r["trainer"] == "maxtext" and {"loss", "kl", "grad_norm", "reward_mean", "response_len"} <= set(r), r

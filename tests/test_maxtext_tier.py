@@ -221,6 +221,11 @@ def test_grpo_stops_after_a_committed_save_survives_a_hard_kill_and_completes(ho
     seen = sorted(set(s for steps in resumed for s in steps))
     assert seen == list(range(1, total + 1))
 
+    # hpcrl's metric records (the launcher reads Tunix's events): every step, the last one last
+    recs = [json.loads(ln) for ln in (run.dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    assert {r["step"] for r in recs} == set(range(1, total + 1)) and recs[-1]["step"] == total
+    assert all(r["trainer"] == "maxtext" and "loss" in r for r in recs)
+
     # Evaluation before training in segment 1 only (the launcher's record of each argv)
     starts_rec, ends = segment_records(run, "start"), segment_records(run, "end")
     assert [r["segment"] for r in starts_rec] == [1, 2, 3] and [r["segment"] for r in ends] == [1, 3], (starts_rec, ends)

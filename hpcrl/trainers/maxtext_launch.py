@@ -188,6 +188,133 @@ class GcsStore:
         return doomed
 
 
+# ------------------------------------------------------------------ metrics (Tunix's tensorboard events)
+
+# Tunix tag -> hpcrl metrics.jsonl key (what `status`, `report` and `plot` read)
+METRIC_TAGS = {"actor/train/loss": "loss", "rewards/train/mean": "reward_mean", "actor/train/kl": "kl",
+               "actor/train/grad_norm": "grad_norm", "completions/train/mean_length": "response_len"}
+# Tunix logs a step's rewards (from its rollout) under the step before its loss's: measured,
+# rewards/train/* at 0..N-1 and actor/train/loss at 1..N in an N-step run
+REWARD_TAGS = ("rewards/train/mean", "completions/train/mean_length")
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    out = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        out |= (b & 0x7F) << shift
+        if b < 0x80:
+            return out, i
+        shift += 7
+
+
+def _fields(buf: bytes):
+    """(field number, wire type, value) of one protobuf message; bytes for length-delimited."""
+    import struct
+
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            val, i = _varint(buf, i)
+        elif wt == 1:
+            val, i = struct.unpack_from("<d", buf, i)[0], i + 8
+        elif wt == 2:
+            n, i = _varint(buf, i)
+            val, i = buf[i:i + n], i + n
+        elif wt == 5:
+            val, i = struct.unpack_from("<f", buf, i)[0], i + 4
+        else:
+            return
+        yield num, wt, val
+
+
+def read_events(data: bytes) -> tuple[list[tuple[int, float, str, float]], int]:
+    """(step, wall time, tag, simple value) of the complete TFRecord-framed Event records in
+    `data`, and how many bytes they took (a torn last record is read on the next poll)."""
+    import struct
+
+    out, i = [], 0
+    while i + 12 <= len(data):
+        n = struct.unpack_from("<Q", data, i)[0]
+        if i + 16 + n > len(data):
+            break
+        step, wall = 0, 0.0
+        values = []
+        for num, _, val in _fields(data[i + 12:i + 12 + n]):
+            if num == 1:
+                wall = val
+            elif num == 2:
+                step = val
+            elif num == 5:  # Summary: repeated Value (tag = 1, simple_value = 2)
+                for vnum, _, v in _fields(val):
+                    if vnum == 1:
+                        tag = simple = None
+                        for fnum, fwt, f in _fields(v):
+                            if fnum == 1 and fwt == 2:
+                                tag = f.decode("utf-8", "replace")
+                            elif fnum == 2 and fwt == 5:
+                                simple = f
+                        if tag is not None and simple is not None:
+                            values.append((tag, simple))
+        out += [(step, wall, tag, v) for tag, v in values]
+        i += 16 + n
+    return out, i
+
+
+class MetricsBridge:
+    """Turns the tensorboard events MaxText writes in this segment into hpcrl metric records."""
+
+    def __init__(self, tb_dir: Path, sink: str | None):
+        self.tb_dir, self.sink = tb_dir, sink
+        self.before = set(self._files())  # earlier segments' files are theirs
+        self.offsets: dict[Path, int] = {}
+        self.pending: dict[int, dict] = {}  # step -> its values so far
+
+    def _files(self) -> list[Path]:
+        try:
+            return sorted(self.tb_dir.glob("events.out.tfevents.*"))
+        except OSError:
+            return []
+
+    def poll(self, final: bool = False) -> list[dict]:
+        """Records of the steps whose values are all in (a later step's loss has been logged);
+        final: every step seen."""
+        for path in self._files():
+            if path in self.before:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            events, used = read_events(data)
+            self.offsets[path] = self.offsets.get(path, 0) + used
+            for step, wall, tag, value in events:
+                if tag not in METRIC_TAGS:
+                    continue
+                if tag in REWARD_TAGS:
+                    step += 1
+                rec = self.pending.setdefault(step, {"step": step, "trainer": "maxtext"})
+                rec[METRIC_TAGS[tag]] = value
+                if tag == "actor/train/loss":
+                    rec["time"] = round(wall, 3)
+        trained = [s for s, r in self.pending.items() if "loss" in r]
+        done = sorted(s for s in trained if final or s < max(trained))
+        records = [self.pending.pop(s) for s in done]
+        if self.sink and records:
+            try:
+                with open(self.sink, "a", encoding="utf-8") as f:
+                    for rec in records:
+                        f.write(json.dumps(rec, sort_keys=True) + "\n")
+            except OSError:
+                pass
+        return records
+
+
 def store_for(root: str, env=None):
     return GcsStore(root, env) if root.startswith("gs://") else LocalStore(root)
 
@@ -223,6 +350,9 @@ class Supervisor:
         self.save_s: float | None = None
         self.request = None  # "usr1" | "term": stop at the first safe point
         self.stopped_for_continue = False
+        # <base>/<run>/checkpoints/actor -> <base>/<run>/tensorboard (types.py); local roots only
+        self.metrics = None if opts.ckpt_root.startswith("gs://") else MetricsBridge(
+            Path(opts.ckpt_root).parent.parent / "tensorboard", env.get(ENV_METRICS))
         self.cleaned: list[str] = []  # temporary directories of interrupted saves removed at start
 
     def on_signal(self, signum, frame):
@@ -249,6 +379,8 @@ class Supervisor:
         print(f"hpcrl: {msg}", file=sys.stderr, flush=True)
 
     def poll_once(self) -> None:
+        if self.metrics is not None:
+            self.metrics.poll()
         now = time.time()
         for name in self.store.in_progress():
             self.save_started.setdefault(name.split(".")[0], now)
@@ -307,6 +439,8 @@ class Supervisor:
             time.sleep(self.store.poll_s)
             self.poll_once()
         self.poll_once()
+        if self.metrics is not None:
+            self.metrics.poll(final=True)
         if self.stopped_for_continue:
             return EXIT_CONTINUE
         rc = self.proc.returncode
