@@ -108,7 +108,7 @@ def test_cpu_recipes_stay_one_process_on_the_local_site(tmp_path, recipe):
 def test_maxtext_recipe_renders_on_tpu(tmp_path, recipe):
     text = render_recipe(tmp_path, recipe, *TPU, "--name", recipe)
     bash_n(text)
-    assert "maxtext.trainers.post_train.rl.train_rl" in text and "chips_per_vm=4" in text
+    assert "maxtext/launch.py" in text and "chips_per_vm=4" in text  # the launcher runs train_rl
     assert ("loss_algo=gspo-token" in text) == recipe.endswith("gspo")
     assert "srun" not in text and "#SBATCH" not in text
     check_golden(f"recipe-{recipe}-tpu-v5p-8.sh", text)

@@ -1,15 +1,24 @@
 """MaxText RL adapter (the seed tutorial: GRPO / GSPO on a single-host TPU VM).
 
-Renders `python3 -m maxtext.trainers.post_train.rl.train_rl key=value ...` for the pinned
-MaxText (MAXTEXT_VERSION). With no config path in argv, MaxText picks post_train/rl.yml for this
-module (maxtext/configs/pyconfig.py _CONFIG_FILE_MAPPING) and routes flat keys such as
+What runs in the job (maxtext_launch.py, copied into the run directory as maxtext/launch.py):
+
+    python RUN/maxtext/launch.py --python PY --ckpt-root <base>/<run>/checkpoints/actor \
+        --period N --total-steps T ... -- key=value ...
+
+and the launcher runs `python -m maxtext.trainers.post_train.rl.train_rl key=value ...` for the
+pinned MaxText (MAXTEXT_VERSION). With no config path in argv, MaxText picks post_train/rl.yml for
+this module (maxtext/configs/pyconfig.py _CONFIG_FILE_MAPPING) and routes flat keys such as
 loss_algo into the nested `rl:` group (types.py RLConfig.map_flat_fields_to_nested_models).
 
 Resume: rerunning the identical command with the same run_name and base_output_directory
-restores the newest <base_output_directory>/<run_name>/checkpoints/<step>/ (params, optimizer,
-step) and fast-forwards the data iterator. The RL path handles no signal, so a walltime kill
-loses the steps since the last save: checkpoint_period bounds that (args.checkpoint_period, or
-sized from args.step_time_s and args.save_every_s).
+restores the newest committed <base_output_directory>/<run_name>/checkpoints/actor/<step>/ (Tunix
+keeps the actor's params and optimizer state under checkpoints/actor/: measured, notes/
+maxtext-cpu.md) and fast-forwards the data iterator. The RL path handles no signal (SIGTERM: no
+save; SIGUSR1: killed, also in the middle of a save), so the launcher speaks the walltime protocol
+for it: it stops MaxText only between saves, right after a committed one when the next would not
+fit before the deadline (exit 85), and removes what an interrupted save left. checkpoint_period
+bounds what a hard kill loses (args.checkpoint_period, or sized from args.step_time_s and
+args.save_every_s).
 """
 
 from __future__ import annotations
@@ -19,15 +28,22 @@ import re
 from pathlib import Path
 
 from ..errors import SpecError, did_you_mean
-from ..schemas import Choice, Float, Int, Schema, Str, StrList
+from ..schemas import Bool, Choice, Float, Int, Schema, Str, StrList
 from .base import Trainer, TrainerContext, check_override_keys
 
 MAXTEXT_VERSION = "0.2.5"
 MODULE = "maxtext.trainers.post_train.rl.train_rl"
+LAUNCH_FILE = "maxtext/launch.py"
+# Tunix's checkpoint manager keeps the policy under this sub-directory of MaxText's checkpoint_dir
+ACTOR_SUBDIR = "actor"
+# rl.yml's defaults of the keys that fix the number of steps (types.py: train_steps =
+# num_batches x num_iterations x train_fraction x num_epoch)
+RL_YML_STEPS = {"num_batches": 4, "num_iterations": 1, "train_fraction": 1.0, "num_epoch": 1}
 LOSS_ALGO = {"grpo": "grpo", "gspo": "gspo-token"}
 # Keys hpcrl renders itself: a user override would break resume or placement.
 OWNED_KEYS = ("run_name", "base_output_directory", "chips_per_vm", "load_parameters_path",
               "enable_checkpointing", "checkpoint_period", "loss_algo", "hf_access_token")
+COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker (where it cannot rename: GCS)
 _KEY = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 
 
@@ -36,8 +52,8 @@ SCHEMA = Schema("maxtext", [
     Choice("algorithm", "grpo", LOSS_ALGO, "grpo | gspo (loss_algo=gspo-token)"),
     Str("model_name", "llama3.1-8b-Instruct", "MaxText model name (configs/models/<name>.yml, -Instruct stripped)",
         nonempty=True),
-    Str("load_parameters_path", None, "MaxText checkpoint .../0/items (tutorial option 1 or 2)", required=True,
-        nullable=True, nonempty=True),
+    Str("load_parameters_path", None, "MaxText checkpoint .../0/items (tutorial option 1 or 2); null: random "
+        "initialisation (MaxText rejects an empty value; the recipes always set one)", nullable=True, nonempty=True),
     Str("tokenizer_path", None, "null: MaxText's HF id for model_name", nullable=True, nonempty=True),
     Str("base_output_directory", None, "null: <run dir>/maxtext; on TPU use gs://BUCKET/...", nullable=True,
         nonempty=True),
@@ -52,6 +68,9 @@ SCHEMA = Schema("maxtext", [
     Float("step_time_s", None, "measured seconds per step, to size checkpoint_period", gt=0, nullable=True),
     Float("save_every_s", 1800, "target seconds between saves when step_time_s is known", gt=0),
     Int("max_num_checkpoints_to_keep", 3, "checkpoints kept", ge=1),
+    Float("save_time_s", 120, "what one save may take until one is measured (the launcher's stop decision)", gt=0),
+    Bool("eval_every_segment", False, "rerun MaxText's pre-training evaluation on every resume (it has no key "
+         "to skip only that one: false sets num_test_batches=0 after the first segment)"),
     StrList("overrides", [], "extra key=value for rl.yml / base.yml keys"),
 ])
 
@@ -60,7 +79,7 @@ class MaxTextTrainer(Trainer):
     python_min = (3, 12)  # maxtext[tpu-post-train] needs Python >= 3.12 on the VM
     name = "maxtext"
     package, package_version = "maxtext", MAXTEXT_VERSION
-    obeys_protocol = False  # exits 0 when done; a walltime kill is a continuation if a checkpoint advanced
+    obeys_protocol = True  # through maxtext/launch.py: exit 0 complete, 85 continue
     schema = SCHEMA
     ranks_hint = "JAX on every chip of the TPU VM, the site's chips_per_vm"
 
@@ -84,27 +103,53 @@ class MaxTextTrainer(Trainer):
         chips = ctx.site.get("chips_per_vm")
         if not chips:
             raise SpecError("site: chips_per_vm is not set (v5p: 4, v6e: 8, v5e: 8); add it to the site profile")
-        out = {"model_name": a["model_name"], "load_parameters_path": a["load_parameters_path"],
+        out = {"model_name": a["model_name"],
                "run_name": a["run_name"] or ctx.run_id, "base_output_directory": self.output_dir(ctx),
                "chips_per_vm": chips, "loss_algo": LOSS_ALGO[a["algorithm"]],
                "enable_checkpointing": "true", "checkpoint_period": checkpoint_period(a),
                "max_num_checkpoints_to_keep": a["max_num_checkpoints_to_keep"]}
+        if a["load_parameters_path"] is not None:  # null: random initialisation (MaxText rejects an empty value)
+            out["load_parameters_path"] = a["load_parameters_path"]
         for key in ("tokenizer_path", "num_batches", "batch_size", "num_generations", "learning_rate", "num_epoch"):
             if a[key] is not None:
                 out[key] = a[key]
         return out
 
+    def files(self, ctx: TrainerContext) -> dict[str, str]:
+        return {LAUNCH_FILE: (Path(__file__).parent / "maxtext_launch.py").read_text(encoding="utf-8")}
+
     def command(self, ctx: TrainerContext) -> list[str]:
-        pairs = [f"{k}={v}" for k, v in self.keys(ctx).items()]
-        return [ctx.python, "-m", MODULE, *pairs, *ctx.args["overrides"]]
+        a = ctx.args
+        keys = self.keys(ctx)
+        pairs = [f"{k}={v}" for k, v in keys.items()]
+        launch = [ctx.python, str(Path(ctx.run_dir) / LAUNCH_FILE), "--python", ctx.python,
+                  "--ckpt-root", f"{self.checkpoint_root(ctx)}/{ACTOR_SUBDIR}", "--period", str(keys["checkpoint_period"]),
+                  "--total-steps", str(self.total_steps(a) or 0), "--save-time-s", f"{float(a['save_time_s']):g}",
+                  "--eval", "every" if a["eval_every_segment"] else "first"]
+        if a["step_time_s"]:
+            launch += ["--step-time-s", f"{float(a['step_time_s']):g}"]
+        return [*launch, "--", *pairs, *a["overrides"]]
 
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # HF_TOKEN comes from the user's env, never the spec
 
     def total_steps(self, args: dict) -> int | None:
-        # rl.yml: num_batches per epoch x num_epoch; null num_batches: rl.yml's (not known here)
+        """MaxText's train_steps (types.py): num_batches x num_iterations x train_fraction x num_epoch,
+        each from args, else args.overrides, else rl.yml's default."""
         a = args or {}
-        return a["num_batches"] * (a.get("num_epoch") or 1) if a.get("num_batches") else None
+        given = dict(RL_YML_STEPS)
+        for ov in a.get("overrides") or []:
+            key, _, value = ov.partition("=")
+            if key in given:
+                given[key] = value
+        for key in given:
+            if a.get(key) is not None:
+                given[key] = a[key]
+        try:
+            return int(int(given["num_batches"]) * int(given["num_iterations"]) * float(given["train_fraction"])
+                       * int(given["num_epoch"]))
+        except (TypeError, ValueError):
+            return None
 
     def checkpoint_step(self, run_dir: Path, ckpt_dir: Path, remote: bool = False) -> int | None:
         # MaxText writes under base_output_directory/run_name, not the run's checkpoints/ dir:
@@ -118,7 +163,7 @@ class MaxTextTrainer(Trainer):
             return maxtext_checkpoint_step(ckpt_dir)
         ctx = TrainerContext(run_id=Path(run_dir).name, run_dir=Path(run_dir), ckpt_dir=Path(ckpt_dir),
                              args=resolved["spec"]["args"], site=resolved["site"], resources=resolved["spec"]["resources"])
-        root = self.checkpoint_root(ctx)
+        root = f"{self.checkpoint_root(ctx)}/{ACTOR_SUBDIR}"
         if not root.startswith("gs://"):
             return maxtext_checkpoint_step(root)
         if not remote:  # `status`: what the last listing found (never the network)
@@ -128,7 +173,8 @@ class MaxTextTrainer(Trainer):
         return step
 
     def checkpoint_root(self, ctx: TrainerContext) -> str:
-        """Where MaxText writes its step directories (types.py: base/run_name/checkpoints/)."""
+        """MaxText's checkpoint_dir (types.py: base/run_name/checkpoints/); Tunix writes the steps
+        under its actor/ sub-directory."""
         return f"{self.output_dir(ctx).rstrip('/')}/{ctx.args['run_name'] or ctx.run_id}/checkpoints"
 
 
@@ -166,7 +212,9 @@ def write_step_cache(path, step: int | None) -> None:
 
 
 def _gs_checkpoint_step(url: str) -> int | None:
-    """Newest step directory under a gs:// checkpoint root, listed with `gcloud storage ls`.
+    """Newest committed step under a gs:// checkpoint root, listed with `gcloud storage ls`.
+    On GCS Orbax writes <step>/ in place (nothing is renamed) and commits it with
+    <step>/commit_success.txt last: a step directory without it is a save in progress or torn.
 
     Called where listing is allowed to take time: the segment's end hook (on the TPU VM, where
     gcloud is installed and authorised; without it every segment would look like no progress)
@@ -179,12 +227,12 @@ def _gs_checkpoint_step(url: str) -> int | None:
     from ..proc import run_command
 
     # HPCRL_GS is a command of plain words ("gcloud storage"), split as the startup script does.
-    argv = os.environ.get("HPCRL_GS", "gcloud storage").split() + ["ls", url.rstrip("/") + "/"]
+    argv = os.environ.get("HPCRL_GS", "gcloud storage").split() + ["ls", url.rstrip("/") + "/*/" + COMMIT_FILE]
     try:
         out = run_command(argv, timeout_s=60, check=False).stdout
     except BackendError:
         return None
-    steps = [int(m.group(1)) for m in re.finditer(r"/(\d+)/\s*$", out, re.M)]
+    steps = [int(m.group(1)) for m in re.finditer(r"/(\d+)/" + re.escape(COMMIT_FILE) + r"\s*$", out, re.M)]
     return max(steps) if steps else None
 
 

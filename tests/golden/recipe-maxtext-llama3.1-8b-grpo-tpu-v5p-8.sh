@@ -83,13 +83,11 @@ runner=""
 forward() {
   [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
 }
-# This trainer has no checkpoint-on-signal (USR1 would simply kill it): it keeps training
-# until the limit, and the next segment resumes from its last periodic checkpoint.
-trap 'echo "hpcrl: USR1: walltime near; the trainer saves only periodically, so it runs on"' USR1
+trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
 trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
 (
   trap : USR1 TERM INT
-  "$trainer_py" -m maxtext.trainers.post_train.rl.train_rl model_name=llama3.1-8b-Instruct load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items run_name=maxtext-llama3.1-8b-grpo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=grpo enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 num_batches=3738
+  "$trainer_py" /var/lib/hpcrl/runs/maxtext-llama3.1-8b-grpo/maxtext/launch.py --python "$trainer_py" --ckpt-root gs://YOUR_BUCKET/hpcrl/maxtext-llama3.1-8b-grpo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-grpo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=grpo enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items num_batches=3738
   echo "$?" > "$rc_file"
 ) &
 runner=$!
