@@ -69,7 +69,7 @@ def test_forged_answer_reachable_by_sampling_is_never_rewarded(tmp_path):
     run = tmp_path / "run"
     write_parquet(train, run / "data" / "train.parquet")  # prepare keeps data it finds
     write_parquet(test, run / "data" / "test.parquet")
-    write_config(run, **{**recipe, "total_steps": 40, "eval_every": 0, "save_every": 0, "threads": 1,
+    write_config(run, **{**recipe, "total_steps": 30, "eval_every": 0, "save_every": 0, "threads": 1,
                          "ppo_epochs": 1, "mini_batches": 1, "keep_last": 2})
     rc, out, err = run_trainer(run, timeout=400)
     assert rc == 0, err[-2000:]
