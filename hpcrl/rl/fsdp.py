@@ -142,6 +142,10 @@ def _read_shares(model, model_dir, rank: int, world: int, tied: dict) -> None:
             raise ValueError(f"{model_dir}: {source} has {tuple(rows.shape)} rows for this rank, its shard "
                              f"{tuple(local.shape)}")
         local.copy_(rows)
+    for name, b in model.named_buffers():  # a persistent buffer in the files (Llama and Qwen have none)
+        if name in where:
+            with safe_open(where[name], "pt") as g:
+                b.copy_(g.get_tensor(name))
 
 
 def _rows(p, rank: int, world: int) -> tuple[int, int]:

@@ -54,6 +54,7 @@ class RLTrainer:
         if self.fsdp:  # no rank ever holds the whole model (nor the reference): built on meta, sharded, then read
             self.model, self.ref = self._load_sharded(), (self._load_sharded().eval() if cfg["beta"] > 0 else None)
             self.tok = policy.load_tokenizer(self.model_dir)
+            self.model.generation_config.pad_token_id = self.tok.pad_token_id  # as load_policy sets it
             if self.ref is not None:
                 self.ref.requires_grad_(False)
             held = sum(p.to_local().numel() for p in self.model.parameters())
