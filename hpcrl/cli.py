@@ -279,7 +279,7 @@ def cmd_doctor(ns) -> int:
 
         spec = resolve(ns.spec, ns.site, ns.sets, {"account": ns.account})["spec"]
         trainer = spec["trainer"]
-    checks = doctor.run_checks(site, trainer=trainer, spec=spec)
+    checks = doctor.run_checks(site, trainer=trainer, spec=spec, spec_file=ns.spec)
     print(f"hpcrl doctor: site {site['name']} ({site['scheduler']})")
     print(doctor.format_checks(checks))
     return 1 if any(c.status == "fail" for c in checks) else 0

@@ -26,16 +26,18 @@ from .trainers import get_trainer
 STATUS_ORDER = ("pass", "warn", "fail")
 
 
-def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, environ=None) -> list[Check]:
-    """spec: the spec part of a resolved spec (trainer, args, requirements) whose venv to check;
-    default: the trainer's with its default arguments."""
+def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, environ=None,
+               spec_file: str | None = None) -> list[Check]:
+    """spec: the spec part of a resolved spec (trainer, args, requirements) whose venv to check,
+    read from spec_file; default: the trainer's with its default arguments."""
     environ = os.environ if environ is None else environ
     backend = for_site(site)
     checks = list(backend.doctor(site))
     if backend.jobs_share_this_environment:
         checks += _paths(site, in_job=_in_job(environ))
         checks += _modules_and_python(site, get_trainer(trainer))
-        checks += _venv(site, spec or {"trainer": trainer, "args": {}, "requirements": []}, _in_job(environ))
+        checks += _venv(site, spec or {"trainer": trainer, "args": {}, "requirements": []}, _in_job(environ),
+                        spec_file)
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
         checks += _paths({**site, "venv_root": None})
     return checks
@@ -47,7 +49,7 @@ def _in_job(environ) -> bool:
     return bool(environ.get("SLURM_JOB_ID") or environ.get("HPCRL_JOB_ID"))
 
 
-def _venv(site: dict, spec: dict, in_job: bool) -> list[Check]:
+def _venv(site: dict, spec: dict, in_job: bool, spec_file: str | None = None) -> list[Check]:
     """The venv the spec's jobs activate exists and is ready; else the command that builds it."""
     from . import venv
 
@@ -61,7 +63,8 @@ def _venv(site: dict, spec: dict, in_job: bool) -> list[Check]:
     if why is None:
         return [Check("venv", "pass", f"{plan.path} ready ({len(plan.requirements)} requirements of "
                                       f"{spec['trainer']})")]
-    command = f"hpcrl venv build --site {q(site['name'])} --trainer {q(spec['trainer'])}"
+    what = q(spec_file) if spec_file else f"--trainer {q(spec['trainer'])}"
+    command = f"hpcrl venv build {what} --site {q(site['name'])}"
     if site.get("account"):
         command += f" --account {q(site['account'])}"
     if in_job:

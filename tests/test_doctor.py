@@ -7,8 +7,10 @@ The same checks against the real test cluster are in tests/test_slurm_doctor.py.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from helpers import hpcrl, use_fake_gcloud
 from hpcrl import doctor
 from hpcrl.backends.slurm import doctor_checks, parse_sinfo_nodes, parse_walltime
 from hpcrl.proc import CommandResult
+from hpcrl.spec import load_site
 
 SINFO = "nid001|gpu,a100,hbm40g|gpu:4(S:0-1)\nnid002|gpu,a100,hbm40g|gpu:a100:4\n"
 QOS = "regular|2-00:00:00\ndebug|00:30:00\npreempt|2-00:00:00\nnormal|\n"
@@ -114,6 +117,24 @@ def test_cli_local_site_passes_and_a_broken_one_exits_non_zero(home, tmp_path):
     (tmp_path / "f").write_text("")
     bad = hpcrl("doctor", "--set", f"site.outputs={tmp_path}/f/x", check=False)
     assert bad.returncode == 1 and "FAIL  outputs" in bad.stdout and "fix: point site.outputs" in bad.stdout
+
+
+def test_the_venv_of_a_spec_file_warns_until_built_and_names_the_command(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the requirement is pip itself: nothing to fetch
+    (Path(os.environ["HPCRL_SITES_DIR"]) / "dv.yaml").write_text(f"extends: local\nvenv_root: {tmp_path}/venvs\n")
+    spec = tmp_path / "my spec.yaml"
+    spec.write_text("trainer: smoke\nrequirements: [pip]\n")
+    before = hpcrl("doctor", spec, "--site", "dv")
+    line = next(ln for ln in before.stdout.splitlines() if ln.startswith("WARN  venv"))
+    assert "not built" in line and line.endswith(f"fix: build it now: hpcrl venv build '{spec}' --site dv"), line
+    hpcrl("venv", "build", spec, "--site", "dv", timeout=300)
+    after = hpcrl("doctor", spec, "--site", "dv")
+    assert "PASS  venv" in after.stdout and "ready (1 requirements of smoke)" in after.stdout, after.stdout
+    # inside a job (a compute node) a missing venv is a failure: the job cannot build it
+    checks = {c.name: c for c in doctor.run_checks({**load_site("dv"), "venv_root": str(tmp_path / "other")},
+                                                   "smoke", {"trainer": "smoke", "args": {}, "requirements": ["pip"]},
+                                                   environ={"SLURM_JOB_ID": "7"})}
+    assert checks["venv"].status == "fail" and "a job cannot build it" in checks["venv"].detail
 
 
 def test_tpu_site_through_the_fake_gcloud(home, tmp_path, monkeypatch):

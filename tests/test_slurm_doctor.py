@@ -54,7 +54,7 @@ def test_a_good_perlmutter_site_passes_every_check(login_node):
     args = login_node()
     before = lines(hpcrl("doctor", *args).stdout)["venv"]
     assert before.startswith("WARN") and "not built" in before and \
-        "fix: build it now: hpcrl venv build --site pmdoc --trainer builtin --account m1234_g" in before, before
+        "fix: build it now: hpcrl venv build --trainer builtin --site pmdoc --account m1234_g" in before, before
     hpcrl("venv", "build", "--trainer", "builtin", *args, timeout=300)
     r = hpcrl("doctor", *args, check=False)
     assert r.returncode == 0, r.stdout
@@ -105,7 +105,7 @@ def test_in_a_job_venv_root_read_only_is_expected_and_the_venv_must_be_ready(log
         got = lines(r.stdout)
         assert got["venv_root"].startswith("PASS") and "read-only here, in a job" in got["venv_root"], r.stdout
         assert got["venv"].startswith("FAIL") and "a job cannot build it" in got["venv"] and \
-            "hpcrl venv build --site pmdoc --trainer builtin" in got["venv"], r.stdout
+            "hpcrl venv build --trainer builtin --site pmdoc" in got["venv"], r.stdout
         assert r.returncode == 1
         hpcrl("venv", "build", "--trainer", "builtin", *args, timeout=300)  # here, the login side
         r = in_job()
