@@ -388,14 +388,18 @@ class Supervisor:
         outlive the driver by seconds and keep training and saving), then make the tracker name a
         step whose record was logged (align_tracker)."""
         deadline = deadline_of(self.env)
-        limit = STOP_GRACE_S if deadline is None else max(5.0, min(STOP_GRACE_S, deadline - time.time()))
-        left = wait_gone(self.env[TAG_ENV], limit) if self.env.get(TAG_ENV) else []
-        if left:
-            print(f"hpcrl: {len(left)} verl process(es) still running after {limit:.0f} s: killing them",
+        # never past the deadline (the walltime's TERM and KILL follow it closely: the batch shell
+        # must still record the segment's end), nor past a TERM: the next segment aligns then
+        limit = STOP_GRACE_S if deadline is None else min(STOP_GRACE_S, deadline - time.time() - 1.0)
+        left = wait_gone(self.env[TAG_ENV], limit, lambda: self.term) if self.env.get(TAG_ENV) else []
+        if left and not self.term:
+            print(f"hpcrl: {len(left)} verl process(es) still running at the deadline: killing them",
                   file=sys.stderr, flush=True)
             kill_pids(left)
+            left = tagged_pids(self.env[TAG_ENV])
         self.poll_once()
-        align_tracker(Path(self.opts.ckpt_dir), recorded_step(self.run_dir, self.segment))
+        if not left:  # with a writer still alive the next segment's start aligns instead
+            align_tracker(Path(self.opts.ckpt_dir), recorded_step(self.run_dir, self.segment))
 
     def run(self) -> int:
         Path(self.metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -446,12 +450,13 @@ def tagged_pids(tag: str) -> list[int]:
     return out
 
 
-def wait_gone(tag: str, limit_s: float) -> list[int]:
-    """Wait up to limit_s for this segment's processes to exit; the pids still there."""
+def wait_gone(tag: str, limit_s: float, cut_short=lambda: False) -> list[int]:
+    """Wait up to limit_s (or until cut_short()) for this segment's processes to exit; the pids
+    still there."""
     end = time.monotonic() + limit_s
     while True:
         left = tagged_pids(tag)
-        if not left or time.monotonic() >= end:
+        if not left or time.monotonic() >= end or cut_short():
             return left
         time.sleep(0.5)
 
