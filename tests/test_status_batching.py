@@ -74,7 +74,9 @@ def test_status_of_many_live_slurm_runs_makes_a_bounded_number_of_calls(home, mo
 def test_status_of_a_maxtext_run_with_gs_checkpoints_never_calls_gcloud(home, tmp_path, monkeypatch):
     # gcloud is the fake (a TEST DOUBLE that records every call): status must not call it at all
     use_fake_gcloud(monkeypatch, tmp_path)
-    (tmp_path / "gcs" / "bucket" / "mx" / "checkpoints" / "40").mkdir(parents=True)
+    # where Tunix writes on GCS: checkpoints/actor/<step>/, committed by commit_success.txt
+    (tmp_path / "gcs" / "bucket" / "mx" / "checkpoints" / "actor" / "40").mkdir(parents=True)
+    (tmp_path / "gcs" / "bucket" / "mx" / "checkpoints" / "actor" / "40" / "commit_success.txt").write_text("")
     sets = ["site.project=my-proj", "site.zone=us-east5-a", "site.bucket=gs://bucket",
             "args.load_parameters_path=gs://bucket/base", "args.base_output_directory=gs://bucket"]
     resolved = resolve(None, "tpu-v5p-8", sets, {"trainer": "maxtext"})

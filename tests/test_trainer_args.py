@@ -93,7 +93,7 @@ CROSS = [
     ("builtin", {"groupsize": 4}, "args.groupsize: unknown argument for trainer 'builtin' (did you mean 'group_size'?)"),
     ("verl", {"ppo_mini_batch_size": 512}, "args.ppo_mini_batch_size: 512 exceeds train_batch_size = 256"),
     ("verl", {"model": None}, "args.model: trainer 'verl' needs a value"),
-    ("maxtext", {"load_parameters_path": ""}, "args.load_parameters_path: trainer 'maxtext' needs a value"),
+    ("maxtext", {"load_parameters_path": ""}, "args.load_parameters_path: '' is empty; use a non-empty string, or null"),
     ("smoke", {"steps": "many"}, "args.steps: expected a whole number, got 'many'"),
 ]
 

@@ -63,6 +63,9 @@ MARGIN_S = 10.0  # slack for the stop itself and the poll interval
 # vary (on the 2-core test machine two steps once took 26 s after a run of 6.5 s pairs), and
 # stopping one save early costs one interval while stopping one late loses it
 PACE_SAFETY = 2.0
+# Tunix writes a step's scalars after that step's save has begun: a stop the moment the save
+# commits lost the saved step's metrics (measured: step 12 of 12). Wait this long for them, at most.
+METRICS_WAIT_S = 15.0
 
 
 def parse_args(argv):
@@ -272,6 +275,7 @@ class MetricsBridge:
         self.before = set(self._files())  # earlier segments' files are theirs
         self.offsets: dict[Path, int] = {}
         self.pending: dict[int, dict] = {}  # step -> its values so far
+        self.newest: int | None = None  # the newest step whose loss was logged
 
     def _files(self) -> list[Path]:
         try:
@@ -303,6 +307,7 @@ class MetricsBridge:
                 if tag == "actor/train/loss":
                     rec["time"] = round(wall, 3)
         trained = [s for s, r in self.pending.items() if "loss" in r]
+        self.newest = max([self.newest or 0, *trained]) or None
         done = sorted(s for s in trained if final or s < max(trained))
         records = [self.pending.pop(s) for s in done]
         if self.sink and records:
@@ -348,7 +353,8 @@ class Supervisor:
         self.saves: list[tuple[int, float]] = []  # (step, when seen committed) in this segment
         self.save_started: dict[str, float] = {}
         self.save_s: float | None = None
-        self.request = None  # "usr1" | "term": stop at the first safe point
+        self.request = None  # "usr1" | "term" | "deadline": stop at the first safe point
+        self.requested_at = None
         self.stopped_for_continue = False
         # <base>/<run>/checkpoints/actor -> <base>/<run>/tensorboard (types.py); local roots only
         self.metrics = None if opts.ckpt_root.startswith("gs://") else MetricsBridge(
@@ -409,6 +415,12 @@ class Supervisor:
         if self.request == "usr1" and not new and deadline is not None and not should_stop(
                 self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s, self.store.poll_s):
             return  # walltime near, yet the next save still fits: stop right after it rather than lose its steps
+        if self.request is not None and self.requested_at is None:
+            self.requested_at = time.monotonic()
+        if self.request in ("deadline", "usr1") and self.metrics is not None and self.known and (
+                self.metrics.newest or 0) < max(self.known) and time.monotonic() - self.requested_at < METRICS_WAIT_S and (
+                deadline is None or deadline - time.time() > MARGIN_S):
+            return  # the saved step's metrics are not written yet: give Tunix a moment
         if self.request is not None and self.safe_kill():
             last = max(self.known) if self.known else None
             why = {"deadline": "the next save would not finish before the deadline",
