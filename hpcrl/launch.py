@@ -34,7 +34,7 @@ from .runs import Run, RunLayout
 from .spec import world_size
 from .trainers import get_trainer
 from .trainers.base import TrainerContext, torchrun_argv
-from .venv import requirements  # noqa: F401 - also launch.requirements for export and the tests
+from .venv import build_command, requirements  # requirements: also launch.requirements for export
 
 clock = time.time
 
@@ -87,7 +87,7 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
         hpcrl_python=site.get("hpcrl_python") or sys.executable, command=command,
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
         venv=venv_path(site, requirements(resolved)), venv_prebuilt=backend.jobs_share_this_environment,
-        requirements=requirements(resolved), venv_build_command=f"hpcrl venv build --run {run_id}",
+        requirements=requirements(resolved), venv_build_command=build_command(run_id),
         nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
         exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None))
 

@@ -164,6 +164,6 @@ def _build(p: Plan, say) -> None:
     say(f"venv {p.path} ready")
 
 
-def build_command(run_id: str | None = None) -> str:
+def build_command(run_id: str) -> str:
     """The command that builds a run's venv (what a job that finds none tells the user)."""
-    return f"hpcrl venv build --run {run_id}" if run_id else "hpcrl venv build SPEC --site SITE"
+    return f"hpcrl venv build --run {run_id}"

@@ -65,7 +65,7 @@ def test_hours_min_maps_to_time_min_and_venv_is_hashed():
     assert "venv=/global/common/software/m1234/hpcrl/venvs/" in text
     # built at submit on the login side: the job (compute nodes mount it read-only) writes nothing there
     assert "flock" not in text and "mkdir" not in text and "pip install" not in text
-    assert "build it on a login node: hpcrl venv build --run v" in text
+    assert "build it on a login node: \"'hpcrl venv build --run v'" in text
     # render shows the resolved requirements (trainer's, then the spec's)
     assert "# Its requirements:\n#   numpy==2.1.0\nvenv=" in text
     other = render("--site", "perlmutter", "--account", "m1234_g", "--trainer", "smoke", "--name", "v",

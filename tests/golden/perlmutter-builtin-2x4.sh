@@ -75,7 +75,7 @@ export TOKENIZERS_PARALLELISM=false
 #   pyarrow>=15
 venv=/global/common/software/m1234/hpcrl/venvs/12ed82312cd0
 if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
-  hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: hpcrl venv build --run pm2"
+  hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: "'hpcrl venv build --run pm2'
   echo "hpcrl: $hpcrl_why" >&2
   echo "$hpcrl_why" > "$HPCRL_RUN_DIR/trainer_error.txt"
   "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1

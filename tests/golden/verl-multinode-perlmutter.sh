@@ -74,7 +74,7 @@ export PYTHONUNBUFFERED=1
 #   transformers==5.9.0
 venv=/global/common/software/m1234/hpcrl/venvs/5f186cc34b1c
 if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
-  hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: hpcrl venv build --run verl-multinode"
+  hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: "'hpcrl venv build --run verl-multinode'
   echo "hpcrl: $hpcrl_why" >&2
   echo "$hpcrl_why" > "$HPCRL_RUN_DIR/trainer_error.txt"
   "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
