@@ -76,19 +76,19 @@ def _matches(directory: Path, key: dict) -> bool:
 
 def convert(gguf: Path, out_dir: Path) -> Path:
     """Dequantise `gguf` into a Hugging Face directory at out_dir (written whole or not at all)."""
-    # transformers' per-tensor progress bar (tqdm reads this when it is first imported, just below)
-    os.environ.setdefault("TQDM_DISABLE", "1")
     import torch
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    # its per-tensor tqdm bar ignores the switch above and would fill a job's log with one long line
+    gguf_utils.tqdm = lambda items, **_: items
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config.dtype = torch.float32  # the dequantised values; the recipe's dtype picks the compute
     with torch.device("meta"):  # only for the name map: no memory for a second copy
         skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tensors = gguf_utils.load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     # lm_head is tied to the embedding (tie_word_embeddings): the one name the file does not hold
@@ -113,7 +113,12 @@ def _write(out_dir: Path, key: dict, fill) -> Path:
         (tmp / MARKER).write_text(json.dumps(key), encoding="utf-8")
         if out_dir.exists():
             shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not _matches(out_dir, key):
+                raise
+            shutil.rmtree(tmp)  # another process (a second rank, a parallel test) wrote the same
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
