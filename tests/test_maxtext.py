@@ -166,10 +166,10 @@ def test_launcher_skips_pre_training_eval_after_the_first_segment():
 def test_launcher_stop_decision_and_pace():
     opts = maxtext_launch.parse_args(["--python", "p", "--ckpt-root", "c", "--period", "5"])
     assert not maxtext_launch.should_stop(opts, 10, None, None)  # nothing measured: keep going
-    # 2 (safety) x 5 steps x 4 s + a 6 s save + the 10 s margin = 56 s
+    # 2 (safety) x 5 steps x 4 s + one step for its metrics + a 6 s save + the 10 s margin = 60 s
     assert maxtext_launch.PACE_SAFETY == 2
-    assert maxtext_launch.should_stop(opts, 55, 4.0, 6.0) and not maxtext_launch.should_stop(opts, 57, 4.0, 6.0)
-    assert maxtext_launch.should_stop(opts, 57, 4.0, 6.0, poll_s=15)  # a GCS listing's interval counts too
+    assert maxtext_launch.should_stop(opts, 59, 4.0, 6.0) and not maxtext_launch.should_stop(opts, 61, 4.0, 6.0)
+    assert maxtext_launch.should_stop(opts, 61, 4.0, 6.0, poll_s=15)  # a GCS listing's interval counts too
     # the first save of a segment (after compilation) only starts the clock; the slowest pace counts
     assert maxtext_launch.pace([(1, 100.0)]) is None
     assert maxtext_launch.pace([(1, 100.0), (3, 104.0), (5, 110.0)]) == 3.0

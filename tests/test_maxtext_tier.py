@@ -220,12 +220,10 @@ def test_grpo_stops_after_a_committed_save_survives_a_hard_kill_and_completes(ho
     # newest committed save (segment 2 after segment 1's last, segment 3 after the kill's)
     starts = trained_steps(maxtext_python, run)
     assert len(starts) == 3, starts
-    assert starts[0][0] == 1 and starts[0][-1] >= first[-1]  # segment 1 may have trained past its last save
-    assert starts[1][0] == first[-1] + 1, (first, starts[1][:3])
-    assert starts[2][0] <= killed_after + 1 and starts[2][-1] == total, (killed_after, starts[2][:3])
-    resumed = [starts[0][:starts[0].index(first[-1]) + 1], starts[1], starts[2]]
-    seen = sorted(set(s for steps in resumed for s in steps))
-    assert seen == list(range(1, total + 1))
+    # (a hard kill takes the newest scalars with it: Tunix writes a step's a step late)
+    assert starts[0][:first[-1]] == list(range(1, first[-1] + 1)), (first, starts[0])
+    assert starts[1][0] == first[-1] + 1 and starts[1] == list(range(first[-1] + 1, starts[1][-1] + 1)), starts[1]
+    assert starts[2] == list(range(killed_after + 1, total + 1)), (killed_after, starts[2])
 
     # hpcrl's metric records (the launcher reads Tunix's events): segment 1's up to its last
     # save (the launcher waits for that step's scalars before it stops MaxText), segment 3's to

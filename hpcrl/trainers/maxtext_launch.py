@@ -63,9 +63,10 @@ MARGIN_S = 10.0  # slack for the stop itself and the poll interval
 # vary (on the 2-core test machine two steps once took 26 s after a run of 6.5 s pairs), and
 # stopping one save early costs one interval while stopping one late loses it
 PACE_SAFETY = 2.0
-# Tunix writes a step's scalars after that step's save has begun: a stop the moment the save
-# commits lost the saved step's metrics (measured: step 12 of 12). Wait this long for them, at most.
-METRICS_WAIT_S = 15.0
+# Tunix writes a step's scalars only about one step after its save (measured: loss logged up to
+# step 11 when step 12's save committed): a stop the moment the save commits lost the saved step's
+# metrics. The stop decision reserves one more step for them and waits this long at most.
+METRICS_WAIT_S = 30.0
 
 
 def parse_args(argv):
@@ -328,7 +329,7 @@ def should_stop(opts, seconds_left: float, step_s: float | None, save_s: float |
     """Right after a committed save: stop when the next one could not be committed before the deadline."""
     if not step_s:
         return False  # nothing measured yet: nothing to size the decision with
-    need = PACE_SAFETY * opts.period * step_s + max(save_s or 0.0, 1.0) + MARGIN_S + poll_s
+    need = PACE_SAFETY * opts.period * step_s + step_s + max(save_s or 0.0, 1.0) + MARGIN_S + poll_s
     return seconds_left < need
 
 
