@@ -335,10 +335,10 @@ def fake_verl(tmp_path, body):
     return exe
 
 
-def run_launcher(tmp_path, exe, deadline_in_s, metrics_wait_s=30):
+def run_launcher(tmp_path, exe, deadline_in_s, metrics_wait_s=30, segment=1):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
-    env = {**os.environ, **protocol_env(tmp_path, deadline=time.time() + deadline_in_s),
+    env = {**os.environ, **protocol_env(tmp_path, segment=segment, deadline=time.time() + deadline_in_s),
            "HPCRL_METRICS": str(tmp_path / "m.jsonl")}
     code = ("import sys; sys.path.insert(0, %r); import verl_launch as v; v.POLL_S = 0.2; v.STOP_GRACE_S = 5; "
             "v.METRICS_WAIT_S = %r; sys.exit(v.main(sys.argv[1:]))") % (str(Path(verl_launch.__file__).parent),
@@ -531,3 +531,19 @@ def test_code_reward_through_verls_loader_scores_a_code_row(tmp_path):
     assert good["score"] == 1.0 and good["all_passed"] == 1.0, good
     half = call("```python\ndef add(a, b):\n    return 5\n```")
     assert half["score"] == 0.5 and half["pass_rate"] == 0.5, half
+
+
+def test_next_segment_starts_from_the_last_recorded_step_when_the_previous_one_could_not_align(tmp_path):
+    # segment 1 was killed (TERM) after verl saved step 3 and before it logged it: segment 2's
+    # launcher points the tracker at step 2 before verl reads it
+    ckpt = tmp_path / "ckpt"
+    for step in (2, 3):
+        (ckpt / f"global_step_{step}").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    (tmp_path / "verl-metrics").mkdir()
+    (tmp_path / "verl-metrics" / "segment-001.jsonl").write_text(
+        "".join(json.dumps({"step": s, "data": {"timing_s/step": 1.0}}) + "\n" for s in (1, 2)))
+    seen = tmp_path / "tracker-verl-saw"
+    body = f"cat {shlex.quote(str(ckpt / 'latest_checkpointed_iteration.txt'))} > {shlex.quote(str(seen))}\nexit 0\n"
+    run_launcher(tmp_path, fake_verl(tmp_path, body), 3600, segment=2)
+    assert seen.read_text().strip() == "2" and not (ckpt / "global_step_3").exists()
