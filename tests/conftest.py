@@ -41,7 +41,7 @@ def _slurm_locks(request):
 # order, which sorts files by their number of tests and so started the verl tier, 3 tests and
 # ~8 minutes, last: in one CI run the suite then waited 8 minutes on it alone). The Slurm verl
 # run (~5 min) holds the Slurm nodes' Ray lock: the two short Ray tests that share it come later.
-LONGEST_FIRST = ("test_verl_tier.py", "test_verl_tier_slurm.py", "test_maxtext_tier.py")
+LONGEST_FIRST = ("test_maxtext_tier.py", "test_verl_tier.py", "test_smollm2.py", "test_verl_tier_slurm.py", "test_demo.py")
 
 
 def pytest_collection_modifyitems(config, items):
