@@ -471,8 +471,8 @@ def refresh_many(run_list: list[Run], problems: dict | None = None) -> dict[str,
     for run in run_list:
         state = run.state()
         out[run.id] = state
-        if not lifecycle.is_active(state):
-            continue
+        if not lifecycle.is_active(state) and not lifecycle.live_segments(state):
+            continue  # final and closed: nothing to ask the scheduler
         site = run.site()
         backend = for_site(site)
         if backend.reconciles_outside_job:
@@ -489,6 +489,14 @@ def refresh_many(run_list: list[Run], problems: dict | None = None) -> dict[str,
                     problems[run.id] = f"scheduler unreachable ({e}); showing the last known state"
             continue
         for run, state in members:
+            if not lifecycle.is_active(state):
+                # a final run (cancelled, say) whose segment was killed before its end hook ran:
+                # without this it would read RUNNING for ever, and `logs -f` would wait on it
+                ended = [s["job_id"] for s in lifecycle.live_segments(state)
+                         if s["job_id"] in infos and infos[s["job_id"]].state.finished]
+                if ended:
+                    out[run.id] = _close_ended(run, ended)
+                continue
             if lifecycle.awaits_successor(state, clock()):
                 continue  # its job is still queueing the successor: not a chain that ended
             live = lifecycle.live_segments(state)
@@ -496,6 +504,14 @@ def refresh_many(run_list: list[Run], problems: dict | None = None) -> dict[str,
                 continue
             out[run.id] = _close_if_unchanged(run, state["segments"])
     return out
+
+
+def _close_ended(run: Run, job_ids: list) -> dict:
+    step = checkpoint_step(run)
+    with run.locked() as state:
+        for job_id in job_ids:
+            lifecycle.close_segment(state, job_id, f"ended after the run was {state['state'].lower()}", step, clock())
+    return run.state()
 
 
 def _close_if_unchanged(run: Run, snapshot: list) -> dict:

@@ -152,8 +152,8 @@ def status_rows(ids: list[str], refresh_many, note=None) -> list[tuple]:
             state = run.state()
         except (HpcrlError, OSError, ValueError):
             continue  # a run whose directory was deleted
-        if lifecycle.is_active(state):
-            active.append(run)
+        if lifecycle.is_active(state) or lifecycle.live_segments(state):
+            active.append(run)  # a final run with a segment still open is reconciled too
         rows[run_id] = (run, state, None)
     states = refresh_many(active) if active else {}
     out = []
@@ -164,7 +164,7 @@ def status_rows(ids: list[str], refresh_many, note=None) -> list[tuple]:
         if row is None:
             state = states.get(run_id, state)
             row = summary(run, state, note(run, state) if note else None)
-            if not lifecycle.is_active(state):
+            if not lifecycle.is_active(state) and not lifecycle.live_segments(state):
                 fresh[run_id] = {"key": _file_key(run.layout.state), "row": row}
                 changed = True
         out.append((run, state, row))

@@ -111,3 +111,21 @@ def test_status_cache_sees_a_rewrite_within_the_same_mtime(home):
     os.utime(run.layout.state, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same mtime tick
     assert os.stat(run.layout.state).st_mtime_ns == st.st_mtime_ns
     assert json.loads(hpcrl("status", "--json").stdout)[0]["reason"] == "second, longer"
+
+
+def test_a_final_runs_segment_that_died_without_its_hook_is_closed(home, monkeypatch, capsys):
+    # `hpcrl cancel` killed the job before its end hook ran: the run is CANCELLED, its segment was
+    # left RUNNING. Status closes it as LOST once the scheduler says the job ended, not before.
+    running, forgotten = make_runs(2)
+    for rid in ("r000", "r001"):
+        with launch.Run.by_id(rid).locked() as state:
+            state["state"] = "CANCELLED"
+            state["segments"][1].update(state=SegState.CANCELLED.value, ended=time.time())
+    forgotten.add("1000")  # r000's job ended; r001's (1002) still runs
+    monkeypatch.setattr(slurm, "run_command", SlurmDouble(running - {"1000"}, forgotten))
+    assert cli.main(["status", "--json"]) == 0
+    capsys.readouterr()
+    segs = {rid: launch.Run.by_id(rid).state()["segments"][0] for rid in ("r000", "r001")}
+    assert segs["r000"]["state"] == SegState.LOST.value and "cancelled" in segs["r000"]["reason"]
+    assert segs["r001"]["state"] == SegState.RUNNING.value
+    assert launch.Run.by_id("r000").state()["state"] == "CANCELLED"
