@@ -145,17 +145,17 @@ def test_ppo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, 
 
     # PPO (GAE): the critic trains and is saved and restored beside the actor. (GRPO across
     # deadlines, chained by hpcrl itself: test_verl_tier_slurm.py; GRPO killed: below.)
-    # Segment 1 has 4.8 minutes for 320 steps (20 epochs): more than fit however quiet the
+    # Segment 1 has 4.8 minutes for 384 steps (24 epochs): more than fit however quiet the
     # machine (start-up ~55 s, a ~20 s first step, then the deadline window of the slowest step +
-    # save + 10 s; PPO steps ~1.1 s: ~200 at most; 12 epochs fit in one segment once verl's fixed
+    # save + 10 s; PPO steps ~0.7-1.1 s: 294 of 320 fitted on a quiet machine; 12 epochs fit in one segment once verl's fixed
     # 60 s no longer came off the window: issue 23), yet room for start-up and a save by the
     # deadline under heavy load (3-minute segments saved nothing once); verl saves by the deadline
     # (ESI) and the segment exits 85; max_segments 1 stops the run there. `resume --hours 0.5`
     # then gives segment 2 thirty minutes, room for the other steps at 5 s a step (~300 x 5 s +
     # 3 min start-up = 28 min), so the run completes whatever today's load; quiet, ~4 minutes.
-    total = 20 * STEPS_PER_EPOCH
+    total = 24 * STEPS_PER_EPOCH
     submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.08,
-           args={"total_epochs": 20, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
+           args={"total_epochs": 24, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
            overrides=CRITIC_CPU_OVERRIDES)
     state = wait_for_run("vppo", timeout=600, poll=2)
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", state
