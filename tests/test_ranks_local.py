@@ -105,11 +105,12 @@ def test_resume_on_another_world_size_rewrites_spec_and_script_and_continues(fas
         assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert ((rdir / "spec.json").read_text(), (rdir / "job.sh").read_text()) == before, "a refused resume changes nothing"
     assert "resources: 1 node x 1 per node = 1 rank" in hpcrl("status", "grow").stdout
-    hpcrl("resume", "grow", "--set", "resources.ranks_per_node=2", "--max-segments", "4")
+    # 14-second segments: under load a segment's start-up (torchrun, 2 ranks) may eat most of one
+    hpcrl("resume", "grow", "--set", "resources.ranks_per_node=2", "--max-segments", "12")
     assert "resources: 1 node x 2 per node = 2 ranks" in hpcrl("status", "grow").stdout  # what comes next
     assert json.loads((rdir / "spec.json").read_text())["spec"]["resources"]["ranks_per_node"] == 2
     assert "--nproc-per-node 2 --standalone" in (rdir / "job.sh").read_text()
-    state = wait_for_run("grow", timeout=180)
+    state = wait_for_run("grow", timeout=600)
     assert state["state"] == "COMPLETED", state
     ran = started(state)
     assert ran[1]["start_step"] == ran[0]["end_step"] > 0
