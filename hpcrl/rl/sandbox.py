@@ -279,7 +279,13 @@ def _read_result(fd: int, deadline: float) -> tuple[bytes, bool]:
             continue
         chunk = os.read(fd, 8192)
         if not chunk:
-            break
+            # EOF. The harness's output is one line ending in a newline; EOF before that line
+            # is complete, at or past the deadline, is the wall-clock kill cutting it off (the
+            # fork server kills at its own copy of this deadline, never earlier): a timeout, not
+            # a crash. A loaded trainer can wake from select only after that kill, and see the
+            # EOF rather than the deadline.
+            out = b"".join(chunks)
+            return out, not out.endswith(b"\n") and time.monotonic() >= deadline
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks), False

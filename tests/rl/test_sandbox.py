@@ -276,6 +276,22 @@ def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypa
 
 
 @fork_only
+def test_infinite_loop_is_a_timeout_when_the_trainer_wakes_after_the_servers_kill(mode, monkeypatch):
+    # Under load the worker may not reach its CPU limit within the wall clock, and the trainer's
+    # thread may wake from select only after the fork server's own deadline kill: it then sees
+    # EOF with no result line, not its deadline. That is still the wall-clock timeout.
+    _server_pid(mode)
+    real = sandbox.select.select
+    def late(r, w, x, t):
+        time.sleep(t + 0.5)  # descheduled across the deadline
+        return real(r, w, x, 0)
+    monkeypatch.setattr(sandbox, "select", type("Late", (), {"select": staticmethod(late)}))
+    res = sandbox.run_tests("while True:\n    pass\ndef f(): return 1", OK_TESTS,
+                            sandbox.Limits(timeout_s=2.0, cpu_s=30))
+    assert (res.score, res.reason) == (0.0, "timeout")
+
+
+@fork_only
 def test_program_killing_the_servers_process_group_or_everything(mode):
     pid = _server_pid(mode)
     code = ("import os, signal\n"
