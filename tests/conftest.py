@@ -37,21 +37,37 @@ def _slurm_locks(request):
         yield
 
 
-# Files that run longest go to the xdist workers first (scripts/test turns off xdist's own
-# order, which sorts files by their number of tests and so started the verl tier, 3 tests and
-# ~8 minutes, last: in one CI run the suite then waited 8 minutes on it alone). The Slurm verl
-# run (~5 min) holds the Slurm nodes' Ray lock: the two short Ray tests that share it come later.
-LONGEST_FIRST = ("test_maxtext_tier.py", "test_verl_tier.py", "test_smollm2.py", "test_verl_tier_slurm.py", "test_demo.py")
+# The tiers: real trainers (MaxText, verl on Ray, SmolLM2 in bf16) and the demo beside its CPU hog.
+# Each holds the 2-core machine for minutes with several busy processes; the lifecycle tests'
+# segments last seconds, and beside the tiers their start-up ate whole segments (one CI run: 7
+# failures, all "no checkpoint progress" or waits run out). scripts/test therefore runs the suite
+# in two phases, HPCRL_TEST_PHASE=light (everything else) then =tiers (these files); pytest run
+# by hand without it runs everything. Within a phase, files that run longest go to the xdist
+# workers first (scripts/test turns off xdist's own order, which sorts files by their number of
+# tests and so started the verl tier, 3 tests and ~8 minutes, last). The Slurm verl run holds
+# the Slurm nodes' Ray lock: the two short Ray tests that share it run in the light phase.
+TIERS = ("test_smollm2.py", "test_maxtext_tier.py", "test_verl_tier_slurm.py", "test_verl_tier.py", "test_demo.py")
+PHASES = ("light", "tiers")
 
 
 def pytest_collection_modifyitems(config, items):
+    phase = os.environ.get("HPCRL_TEST_PHASE", "")
+    if phase and phase not in PHASES:
+        raise pytest.UsageError(f"HPCRL_TEST_PHASE={phase!r}: use one of {', '.join(PHASES)} (or leave it unset for all)")
+    if phase:
+        tier = [i.nodeid.split("::")[0].rsplit("/", 1)[-1] in TIERS for i in items]
+        keep = [i for i, t in zip(items, tier) if t == (phase == "tiers")]
+        dropped = [i for i, t in zip(items, tier) if t != (phase == "tiers")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
 
     def rank(path: str):
         name = path.rsplit("/", 1)[-1]
-        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        first = TIERS.index(name) if name in TIERS else len(TIERS)
         return (first, -len(by_file[path]), path)  # then as xdist would: most tests first
 
     items[:] = [item for path in sorted(by_file, key=rank) for item in by_file[path]]

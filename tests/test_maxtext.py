@@ -289,7 +289,7 @@ def test_launcher_never_kills_during_a_save_and_exits_85_after_it(tmp_path):
             proc.kill()
     assert (ckpt / "renamed").exists() and (ckpt / "2").is_dir()  # killed only after the commit
     end = [json.loads(ln) for ln in (run_dir / "maxtext-segments.jsonl").read_text().splitlines()][-1]
-    assert end == {**end, "event": "end", "rc": 85, "stopped_for": "term", "last_save": 2}
+    assert end == {**end, "event": "end", "rc": 85, "stopped_for": "term", "last_save": 2, "metrics_through": None}
     assert (run_dir / "maxtext-saves.jsonl").read_text().count('"step": 2') == 1
 
 

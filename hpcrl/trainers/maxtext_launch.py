@@ -65,7 +65,9 @@ MARGIN_S = 10.0  # slack for the stop itself and the poll interval
 PACE_SAFETY = 2.0
 # Tunix writes a step's scalars only about one step after its save (measured: loss logged up to
 # step 11 when step 12's save committed): a stop the moment the save commits lost the saved step's
-# metrics. The stop decision reserves one more step for them and waits this long at most.
+# metrics. The stop decision reserves one more step for them and waits this long at most, or two
+# steps at the slowest pace seen when that is longer (under load a step took 26 s here), while the
+# deadline allows; the segment's end record says which step's metrics were the last written.
 METRICS_WAIT_S = 30.0
 
 
@@ -418,8 +420,9 @@ class Supervisor:
             return  # walltime near, yet the next save still fits: stop right after it rather than lose its steps
         if self.request is not None and self.requested_at is None:
             self.requested_at = time.monotonic()
+        wait_s = max(METRICS_WAIT_S, PACE_SAFETY * (step_s or 0.0))
         if self.request in ("deadline", "usr1") and self.metrics is not None and self.known and (
-                self.metrics.newest or 0) < max(self.known) and time.monotonic() - self.requested_at < METRICS_WAIT_S and (
+                self.metrics.newest or 0) < max(self.known) and time.monotonic() - self.requested_at < wait_s and (
                 deadline is None or deadline - time.time() > MARGIN_S):
             return  # the saved step's metrics are not written yet: give Tunix a moment
         if self.request is not None and self.safe_kill():
@@ -441,7 +444,8 @@ class Supervisor:
         rc = self._run()
         self.record(event="end", rc=rc, first_save=self.saves[0][0] if self.saves else None,
                     last_save=self.saves[-1][0] if self.saves else None,
-                    stopped_for=self.request if self.stopped_for_continue else None)
+                    stopped_for=self.request if self.stopped_for_continue else None,
+                    metrics_through=self.metrics.newest if self.metrics is not None else None)
         return rc
 
     def _run(self) -> int:
