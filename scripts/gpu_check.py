@@ -155,6 +155,7 @@ def run(ns) -> dict:
         "model": str(work / "model"), "data": "files", "train_files": str(train), "val_files": str(test),
         "prompt_template": "tiny", "dtype": "bfloat16", "device": device.type, "algorithm": "grpo",
         "batch_size": ns.batch_size, "group_size": ns.group_size, "max_response_length": ns.response_tokens,
+        "micro_batch_size": ns.micro_batch_size,
         "max_prompt_length": 64, "total_steps": ns.steps, "lr": 1e-6, "beta": ns.beta, "eval_before": False,
         "eval_after": False, "save_every": 0, "async_save": False, "keep_last": 2, "seed": 0,
         "threads": ns.threads})
@@ -187,7 +188,7 @@ def run(ns) -> dict:
         "torch": torch.__version__, "params": params, "shape": shape, "dtype": "bfloat16",
         "param_dtype": str(next(trainer.model.parameters()).dtype).replace("torch.", ""),
         "batch": f"{ns.batch_size} prompts x {ns.group_size} = {ns.batch_size * ns.group_size} completions, "
-                 f"{ns.response_tokens} new tokens",
+                 f"{ns.response_tokens} new tokens, {ns.micro_batch_size} rows per forward/backward",
         "steps": len(steps), "step_s": step_s, "response_tokens_per_s": tokens / sum(r["step_time_s"] for r in timed),
         "phases_s_per_step": {**{k: v / len(steps) for k, v in phases.secs.items()},
                               "other (the loop, data, logging)": max(0.0, (sum(r["step_time_s"] for r in steps)
@@ -248,6 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None, help="prompts per step (default 16; 2 with --tiny)")
     ap.add_argument("--group-size", type=int, default=None, help="completions per prompt (default 8; 2 with --tiny)")
     ap.add_argument("--response-tokens", type=int, default=None, help="new tokens per completion (default 256; 4 with --tiny)")
+    # the GPU recipes' 8: one forward over all 128 rows holds their 150k-vocabulary logits in fp32
+    # (~20 GB a copy) and ran an H200 out of memory
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="rows per forward/backward (default 8; 2 with --tiny)")
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference's forward)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--work", help="directory to build in (default: a new temporary one, left for inspection)")
@@ -258,6 +262,7 @@ def main(argv=None) -> int:
     ns.batch_size = ns.batch_size or (2 if small else 16)
     ns.group_size = ns.group_size or (2 if small else 8)
     ns.response_tokens = ns.response_tokens or (4 if small else 256)
+    ns.micro_batch_size = ns.micro_batch_size or (2 if small else 8)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     res = run(ns)
     print(report(res), flush=True)
