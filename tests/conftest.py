@@ -46,7 +46,7 @@ def _slurm_locks(request):
 # workers first (scripts/test turns off xdist's own order, which sorts files by their number of
 # tests and so started the verl tier, 3 tests and ~8 minutes, last). The Slurm verl run holds
 # the Slurm nodes' Ray lock: the two short Ray tests that share it run in the light phase.
-TIERS = ("test_smollm2.py", "test_maxtext_tier.py", "test_verl_tier_slurm.py", "test_verl_tier.py", "test_demo.py")
+TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_verl_tier_slurm.py", "test_demo.py")
 PHASES = ("light", "tiers")
 
 
