@@ -46,7 +46,13 @@ def _slurm_locks(request):
 # workers first (scripts/test turns off xdist's own order, which sorts files by their number of
 # tests and so started the verl tier, 3 tests and ~8 minutes, last). The Slurm verl run holds
 # the Slurm nodes' Ray lock: the two short Ray tests that share it run in the light phase.
-TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_verl_tier_slurm.py", "test_demo.py")
+#
+# The tiers' order is for xdist's loadfile scheduler, which hands a worker its next file as soon as
+# the worker has two tests or fewer left (not when it is free): within a file the slow tests go
+# first (else SmolLM2's three quick checks made its worker take two more files at once, and it
+# ran ~1900 s); then the verl tier's worker takes the demo after its first test (~460 s), and
+# MaxText's worker the Slurm verl run (~480 s): ~1200 s for the phase, the SmolLM2 run alone ~1150.
+TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_demo.py", "test_verl_tier_slurm.py")
 PHASES = ("light", "tiers")
 
 
@@ -70,7 +76,11 @@ def pytest_collection_modifyitems(config, items):
         first = TIERS.index(name) if name in TIERS else len(TIERS)
         return (first, -len(by_file[path]), path)  # then as xdist would: most tests first
 
-    items[:] = [item for path in sorted(by_file, key=rank) for item in by_file[path]]
+    def slow_first(item) -> int:  # in the tiers only: elsewhere the file's own order is kept
+        tier = item.nodeid.split("::")[0].rsplit("/", 1)[-1] in TIERS
+        return 0 if tier and item.get_closest_marker("slow") else 1
+
+    items[:] = [item for path in sorted(by_file, key=rank) for item in sorted(by_file[path], key=slow_first)]
 
 
 @pytest.fixture
