@@ -352,7 +352,7 @@ def headline_series(run: Run) -> tuple[str | None, list[float]]:
 def detail_sections(run: Run, state: dict, row: dict) -> list[tuple[str, str]]:
     """(label, text) lines of `status RUN` under its table, empty ones left out."""
     lines = [("reason", row["reason"]), ("error", error_line(state, row["reason"])), ("note", row.get("note") or ""),
-             ("eval", eval_line(run)),
+             ("requeued", requeue_line(state)), ("eval", eval_line(run)),
              ("resources", resources_line(run)), ("progress", progress_line(row)), ("cost", cost_line(row)), ("goodput", goodput_line(row)),
              ("export", export_line(run))]
     return [(k, v) for k, v in lines if v]
@@ -395,6 +395,20 @@ def resources_line(run: Run) -> str:
     if parallel:
         parts.append(f"parallel: {parallel}")
     return ", ".join(parts)
+
+
+def requeue_line(state: dict) -> str:
+    """Segments whose job the scheduler started again (node failure, preemption): each earlier
+    start is an attempt in the segment's record, and its hours count (lifecycle._requeued)."""
+    parts = []
+    for seg in state["segments"]:
+        attempts = seg.get("requeues") or []
+        if attempts:
+            last = attempts[-1]
+            times = "once" if len(attempts) == 1 else f"{len(attempts)} times"
+            parts.append(f"segment {seg.get('k') or '-'} (job {seg.get('job_id')}) {times}, the last after "
+                         f"{str(last.get('state') or '?').lower()} at step {_s(last.get('end_step'))}")
+    return "; ".join(parts)
 
 
 def error_line(state: dict, reason: str) -> str:

@@ -57,6 +57,8 @@ def test_a_requeued_segment_starts_again_without_a_second_successor(names):
     assert seg["start_step"] >= 5, "the second start resumed from a checkpoint of the first"
     assert [s["k"] for s in started(state)] == [1], started(state)
     assert any("requeued by the scheduler" in e["what"] for e in state["events"]), state["events"]
+    shown = hpcrl("status", "rq").stdout  # the user sees it too, not only state.json
+    assert f"requeued: segment 1 (job {job}) once, the last after {attempt['state'].lower()} at step " in shown, shown
     assert sorted(set(m["step"] for m in read_metrics(rdir))) == list(range(1, 41))
     log = (rdir / "logs" / f"job-{job}.log").read_text()
     assert "DUE TO JOB REQUEUE" in log and log.count(f"segment 1 job {job} ") == 2, log
