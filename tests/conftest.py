@@ -56,31 +56,33 @@ TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_d
 PHASES = ("light", "tiers")
 
 
+def _in_tiers(path: str) -> bool:
+    return path.rsplit("/", 1)[-1] in TIERS
+
+
 def pytest_collection_modifyitems(config, items):
     phase = os.environ.get("HPCRL_TEST_PHASE", "")
     if phase and phase not in PHASES:
         raise pytest.UsageError(f"HPCRL_TEST_PHASE={phase!r}: use one of {', '.join(PHASES)} (or leave it unset for all)")
-    if phase:
-        tier = [i.nodeid.split("::")[0].rsplit("/", 1)[-1] in TIERS for i in items]
-        keep = [i for i, t in zip(items, tier) if t == (phase == "tiers")]
-        dropped = [i for i, t in zip(items, tier) if t != (phase == "tiers")]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    if phase:
+        dropped = [i for path, its in by_file.items() if _in_tiers(path) != (phase == "tiers") for i in its]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        by_file = {path: its for path, its in by_file.items() if _in_tiers(path) == (phase == "tiers")}
 
     def rank(path: str):
         name = path.rsplit("/", 1)[-1]
         first = TIERS.index(name) if name in TIERS else len(TIERS)
         return (first, -len(by_file[path]), path)  # then as xdist would: most tests first
 
-    def slow_first(item) -> int:  # in the tiers only: elsewhere the file's own order is kept
-        tier = item.nodeid.split("::")[0].rsplit("/", 1)[-1] in TIERS
-        return 0 if tier and item.get_closest_marker("slow") else 1
+    def order(path: str) -> list:  # in the tiers the slow tests first; elsewhere the file's own order
+        its = by_file[path]
+        return sorted(its, key=lambda i: 0 if i.get_closest_marker("slow") else 1) if _in_tiers(path) else its
 
-    items[:] = [item for path in sorted(by_file, key=rank) for item in sorted(by_file[path], key=slow_first)]
+    items[:] = [item for path in sorted(by_file, key=rank) for item in order(path)]
 
 
 @pytest.fixture
