@@ -122,9 +122,13 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
         # over the prompt too would be most of the activation memory)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
                        logits_to_keep=r).logits[:, -r:]
-    logits = logits.float() / temperature
-    picked = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # log-softmax and pick fused, one kernel each way: gather minus logsumexp ran 2.3-3x slower
+    # forward and backward, at the tiny vocabulary and at SmolLM2's (the same peak memory; BENCHMARKS)
+    picked = torch.nn.functional.cross_entropy(logits.flatten(0, 1), response_ids.flatten(), reduction="none")
+    return -picked.view(response_ids.shape)
 
 
 def rows_share_prompts(prompt_ids, prompt_mask, group_size: int) -> bool:
