@@ -10,7 +10,7 @@ import torch
 
 from .. import protocol
 from ..schemas.builtin import ALGORITHMS
-from . import algos, checkpoint, data, fsdp, metrics, policy, prepare, reward_mix, warmup
+from . import algos, checkpoint, data, fsdp, memory, metrics, policy, prepare, reward_mix, warmup
 from .dist import Dist, generator, stream_seed
 from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler
@@ -66,10 +66,21 @@ class RLTrainer:
         else:
             self.model, self.tok = policy.load_policy(self.model_dir, self.device)
             self.ref = self._make_ref() if cfg["beta"] > 0 else None  # forward only, no optimizer state
+        if cfg["gradient_checkpointing"]:  # non-reentrant: the variant FSDP2 and autocast support
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers recomputes only in training mode (from_pretrained leaves eval); the
+            # rollout and the evaluation switch to eval for their own passes and back
+            self.model.train()
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            layers = sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+                         for m in self.model.modules())
+            self._say(f"gradient checkpointing: {layers} decoder layers recompute their activations in the backward")
         self.train_ex, self.val_ex = data.load_examples(train_path), data.load_examples(val_path)
         enc = dict(chat_template=cfg["chat_template"], max_prompt_length=cfg["max_prompt_length"])
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
         self.val_ids = policy.encode_prompts(self.tok, self.val_ex[:cfg["eval_size"]], **enc)
+        self.auto_rows = self._auto_rows()
         self.reward = reward_mix.Reward(cfg, self.device)
         # fused: one kernel over all parameters instead of a loop of small ones (~12% of a tiny step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
@@ -91,6 +102,31 @@ class RLTrainer:
     def _compute(self):
         """The forward passes' dtype: autocast over the float32 masters (fsdp: its mp_policy casts)."""
         return policy.autocast(self.device, "float32" if self.fsdp else self.cfg["dtype"])
+
+    def _auto_rows(self) -> int | None:
+        """The most rows per forward/backward when micro_batch_size is 0: none on a CPU (the whole
+        mini-batch), what the memory allows on a GPU (hpcrl/rl/memory.py). Decided from the shapes
+        alone, so every rank and every segment splits alike."""
+        cfg = self.cfg
+        total = memory.device_bytes(self.device)
+        if cfg["micro_batch_size"] or total is None:
+            return None
+        prompt = max((len(p) for p in self.train_ids), default=1)
+        per_row = memory.row_bytes(self.model.config, prompt, cfg["max_response_length"], cfg["dtype"],
+                                   cfg["gradient_checkpointing"])
+        params = sum(p.numel() for p in self.model.parameters())  # the full count, sharded or not
+        state = memory.state_bytes(params, self.dist.world if self.fsdp else 1, self.ref is not None)
+        if cfg["rollout"] == "vllm":  # a colocated vLLM holds its share of the device for the whole run
+            total = int(total * (1 - cfg["vllm_gpu_memory_utilization"]))
+        most = memory.max_rows(total, state, per_row)
+        local = max(1, cfg["batch_size"] * cfg["group_size"] // cfg["mini_batches"] // self.dist.world)
+        self._say(memory.describe(memory.even_split(local, most), per_row, total, state))
+        return most
+
+    def _rows_per_pass(self, rows: int) -> int:
+        if self.cfg["micro_batch_size"]:
+            return self.cfg["micro_batch_size"]
+        return memory.even_split(rows, self.auto_rows or max(1, rows))
 
     def _make_ref(self):
         ref = copy.deepcopy(self.model).eval()
@@ -452,7 +488,7 @@ class RLTrainer:
         gradients accumulated over micro-batches, then summed over ranks: every weight below is
         this rank's share of the global mini-batch, so the sum is the global mean."""
         cfg = self.cfg
-        micro = cfg["micro_batch_size"] or max(1, len(idx))
+        micro = self._rows_per_pass(max(1, len(idx)))
         passes = -(-len(idx) // micro)
         all_tokens = batch.response_mask[idx].sum()
         if self.dist.enabled:
@@ -514,7 +550,7 @@ class RLTrainer:
 
     @torch.no_grad()
     def _logprobs_no_grad(self, model, batch):
-        micro = self.cfg["micro_batch_size"] or batch.response_ids.shape[0]
+        micro = self._rows_per_pass(batch.response_ids.shape[0])
         parts = []
         for start in range(0, batch.response_ids.shape[0], micro):
             mb = batch.select(torch.arange(start, min(start + micro, batch.response_ids.shape[0])))

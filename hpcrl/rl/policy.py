@@ -109,7 +109,8 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     shared keys/values, so the result equals the full forward up to float rounding.
     """
     r = response_ids.shape[1]
-    if group_size > 1 and rows_share_prompts(prompt_ids, prompt_mask, group_size) and _plain_kv_cache(model):
+    if (group_size > 1 and not recomputes_layers(model) and rows_share_prompts(prompt_ids, prompt_mask, group_size)
+            and _plain_kv_cache(model)):
         logits = _logits_shared_prompt(model, prompt_ids, prompt_mask, response_ids, group_size)
     else:
         # the last response token predicts nothing we score: it is not fed at all
@@ -129,6 +130,13 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     # forward and backward, at the tiny vocabulary and at SmolLM2's (the same peak memory; BENCHMARKS)
     picked = torch.nn.functional.cross_entropy(logits.flatten(0, 1), response_ids.flatten(), reduction="none")
     return -picked.view(response_ids.shape)
+
+
+def recomputes_layers(model) -> bool:
+    """Gradient checkpointing is on and active (training mode): transformers then drops any KV
+    cache passed to a layer, so the group-shared prompt (keys/values carried in a cache) cannot
+    be used and the full forward is taken."""
+    return bool(getattr(model, "is_gradient_checkpointing", False)) and model.training
 
 
 def rows_share_prompts(prompt_ids, prompt_mask, group_size: int) -> bool:

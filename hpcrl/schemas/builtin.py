@@ -186,7 +186,12 @@ SCHEMA = Schema("builtin", [
     Int("batch_size", 8, "prompts per step, so batch_size * group_size completions", ge=1),
     Int("ppo_epochs", 1, "optimisation passes over each rollout batch", ge=1),
     Int("mini_batches", 1, "optimizer steps per pass (divides batch_size * group_size)", ge=1),
-    Int("micro_batch_size", 0, "rows per forward/backward (gradient accumulation); 0: a whole mini-batch", ge=0),
+    Int("micro_batch_size", 0, "rows per forward/backward (gradient accumulation); 0: a whole mini-batch on a CPU, "
+        "on a GPU the most rows the device's memory holds by an estimate from the model's shape (hpcrl/rl/memory.py)",
+        ge=0),
+    Bool("gradient_checkpointing", False, "recompute each decoder layer's activations in the backward: a layer "
+         "keeps only its input (activation memory / ~layers; ~1/3 more compute; the training forward then runs "
+         "each group's prompt once per row)"),
     Float("clip_low", None, "null: the algorithm's (0.2 grpo, 3e-4 gspo)", ge=0, lt=1, nullable=True),
     Float("clip_high", None, "null: the algorithm's (0.2 grpo, 4e-4 gspo)", ge=0, nullable=True),
     Float("beta", 0.0, "k3 KL penalty to the frozen reference (0: no reference model kept)", ge=0),

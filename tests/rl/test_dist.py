@@ -421,14 +421,14 @@ def test_sigterm_to_torchrun_reaches_every_rank_and_they_save_together(tmp_path)
     assert CheckpointStore(run_dir / "checkpoints").latest_step() == stopped
 
 
-def grads_run(tmp_path, name, nproc, parallel="ddp"):
+def grads_run(tmp_path, name, nproc, parallel="ddp", **extra):
     """A 2-step run (1 warm-up step, 1 RL step of 2 mini-batches) through hooked_train.py, which
     writes the reduced gradients of each of its 3 optimizer steps: {file name: {param: grad}}."""
     from rl_helpers import HOOKED, trainer_env
 
     run_dir = tmp_path / name
     write_config(run_dir, **{**DIST_ARGS, "sft_steps": 1, "total_steps": 1, "ppo_epochs": 1, "parallel": parallel,
-                             "eval_before": False, "eval_after": False, "save_every": 0})
+                             "eval_before": False, "eval_after": False, "save_every": 0, **extra})
     grads = run_dir / "grads"
     grads.mkdir()
     hooked = [str(HOOKED), f"--grads-dir={grads}", "--config", str(run_dir / "trainer.json")]
@@ -448,8 +448,9 @@ def test_gradients_equal_on_one_and_two_ranks_ddp_and_fsdp(tmp_path):
     a gradient scaled by the world size, or a rank's rows counted twice, is off by its whole size."""
     one = grads_run(tmp_path, "one", 1)
     assert sorted(one) == ["grads-1-0.pt", "grads-2-0.pt", "grads-2-1.pt"]
-    for parallel in ("ddp", "fsdp"):
-        two = grads_run(tmp_path, parallel, 2, parallel)
+    # and fsdp with gradient checkpointing: each layer's recomputation inside FSDP2's gathers
+    for parallel, extra in (("ddp", {}), ("fsdp", {}), ("fsdp", {"gradient_checkpointing": True})):
+        two = grads_run(tmp_path, parallel + "-ckpt" * bool(extra), 2, parallel, **extra)
         assert sorted(two) == sorted(one)
         for step in one:
             for name, g in one[step].items():

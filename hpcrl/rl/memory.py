@@ -1,0 +1,81 @@
+"""Rows per forward/backward when the spec leaves `micro_batch_size` at 0, on a GPU.
+
+Why: a whole mini-batch in one pass is what a CPU run wants (its models are small and a pass is
+never memory-bound), but on a GPU the response logits alone grow as rows x response tokens x
+vocabulary: gpu-check's 0.5B model with Qwen's 151,936-token vocabulary, 128 rows of 256 tokens,
+ran out of an H200's 140 GiB in its first backward (113.8 GiB held, 18.6 more asked;
+BENCHMARKS.md). So on a GPU the default is the most rows whose activations, estimated from the
+model's shape, fit in half the memory left after the model's own state, split into even passes.
+
+The estimate is deliberately plain arithmetic (no trial forward): it has to be right before the
+first step, on every rank alike, and the same in every segment (a different split would change
+the summation order, so a resumed run would no longer equal an uninterrupted one).
+"""
+
+from __future__ import annotations
+
+import math
+
+# bytes per response position per vocabulary entry at the loss: the compute-dtype logits, their
+# float32 copy, the temperature-scaled copy, the log-softmax kept for the backward, and the
+# backward's two vocabulary-wide gradients
+LOGIT_BYTES = 20
+
+
+def layer_bytes_per_token(config, dtype_bytes: int) -> int:
+    """What one token leaves for the backward in one decoder layer: the projections' inputs and
+    outputs in the compute dtype (q, k, v, attention output, o's input: ~10 x hidden with the
+    norms' outputs; SwiGLU's gate, up, activation and product: 4 x intermediate) and the float32
+    residual stream and norm inputs that autocast keeps (4 x hidden)."""
+    h, i = config.hidden_size, config.intermediate_size
+    return dtype_bytes * (10 * h + 4 * i) + 4 * 4 * h
+
+
+def row_bytes(config, prompt_tokens: int, response_tokens: int, dtype: str, checkpointing: bool = False) -> int:
+    """One row's activations through the training forward and backward. With gradient
+    checkpointing each layer keeps only its float32 input, and the backward rebuilds one layer's
+    activations at a time (counted twice: the rebuilt layer and its gradients' buffers).
+    Against measured peaks on a CPU in float32 (scripts/bench_act_mem.py): 0.95-1.02x without
+    checkpointing, 0.85-1.18x with it (the allocator's noise is larger than its activations)."""
+    dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+    layer = layer_bytes_per_token(config, dtype_bytes)
+    per_token = (config.num_hidden_layers * 4 * config.hidden_size + 2 * layer if checkpointing
+                 else config.num_hidden_layers * layer)
+    return (prompt_tokens + response_tokens) * per_token + response_tokens * config.vocab_size * LOGIT_BYTES
+
+
+def state_bytes(n_params: int, shards: int, reference: bool) -> int:
+    """A rank's model state: float32 weights, gradients and AdamW's two moments (16 bytes a
+    parameter), the float32 reference when the KL term needs one; divided over fsdp's shards."""
+    return n_params * (16 + (4 if reference else 0)) // shards
+
+
+def max_rows(device_bytes: int, state: int, per_row: int) -> int:
+    """The most rows whose activations fit in half of what the state leaves (the other half:
+    the reference's and the rollout's passes, the allocator's fragmentation); at least 1."""
+    return max(1, (device_bytes - state) // 2 // max(1, per_row))
+
+
+def even_split(rows: int, most: int) -> int:
+    """Rows per pass for `rows` in the fewest passes of at most `most`, as even as they go
+    (100 rows at most 60: two passes of 50, not 60 and 40)."""
+    if rows <= most:
+        return max(1, rows)
+    return math.ceil(rows / math.ceil(rows / most))
+
+
+def describe(rows_per_pass: int, per_row: int, device_bytes: int, state: int) -> str:
+    gib = 2 ** 30
+    return (f"micro_batch_size 0 on a GPU: at most {rows_per_pass} rows per forward/backward "
+            f"(~{per_row / gib:.2f} GiB of activations a row estimated from the model's shape; "
+            f"{device_bytes / gib:.0f} GiB of the device for training, {state / gib:.1f} GiB model state; "
+            "set micro_batch_size to choose)")
+
+
+def device_bytes(device) -> int | None:
+    """A CUDA device's total memory; None elsewhere (a CPU run takes the whole mini-batch)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory
