@@ -283,16 +283,17 @@ def test_micro_batches_accumulate_the_same_gradient(tiny, loss_agg):
     batch = HFRollout(model, tok, max_new_tokens=6).generate(prompts, n=3)
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.2, 0.9])
     grads = {}
-    for micro in (0, 2, 4):
+    # (micro_batch_size, the most rows a GPU's memory allows when it is 0): 6 rows at most 4 -> 2 passes of 3
+    for micro, auto in ((0, None), (2, None), (4, None), (0, 4)):
         cfg = config.resolve({"micro_batch_size": micro, "loss_agg": loss_agg, "beta": 0.1})
         fake = SimpleNamespace(cfg=cfg, model=model, optimizer=_RecordingOptimizer(model), dist=Dist(), fsdp=False,
-                               device=torch.device("cpu"))
-        for name in ("_loss_scale", "_reduce_grads", "_compute"):  # the trainer's own, on this stand-in
+                               device=torch.device("cpu"), auto_rows=auto)
+        for name in ("_loss_scale", "_reduce_grads", "_compute", "_rows_per_pass"):  # the trainer's own
             setattr(fake, name, getattr(RLTrainer, name).__get__(fake))
         ref = RLTrainer._logprobs_no_grad(fake, model, batch) * 0.9
         loss, _ = RLTrainer._optimizer_step(fake, batch, torch.arange(6), adv, ref, single=True)
-        grads[micro] = (loss, fake.optimizer.grads)
-    for micro in (2, 4):
+        grads[micro if auto is None else "auto"] = (loss, fake.optimizer.grads)
+    for micro in (2, 4, "auto"):
         assert grads[micro][0] == pytest.approx(grads[0][0], rel=1e-5)
         for g0, g in zip(grads[0][1], grads[micro][1]):
             assert torch.allclose(g0, g, atol=1e-6, rtol=1e-4)
