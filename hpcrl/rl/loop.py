@@ -112,15 +112,19 @@ class RLTrainer:
         if cfg["micro_batch_size"] or total is None:
             return None
         prompt = max((len(p) for p in self.train_ids), default=1)
-        per_row = memory.row_bytes(self.model.config, prompt, cfg["max_response_length"], cfg["dtype"],
-                                   cfg["gradient_checkpointing"])
+        chunk = policy.logit_chunk_tokens(self.model, cfg["logit_chunk_tokens"])
+
+        def pass_of(rows):
+            return memory.pass_bytes(self.model.config, rows, prompt, cfg["max_response_length"], cfg["dtype"],
+                                     cfg["gradient_checkpointing"], chunk)
         params = sum(p.numel() for p in self.model.parameters())  # the full count, sharded or not
         state = memory.state_bytes(params, self.dist.world if self.fsdp else 1, self.ref is not None)
         if cfg["rollout"] == "vllm":  # a colocated vLLM holds its share of the device for the whole run
             total = int(total * (1 - cfg["vllm_gpu_memory_utilization"]))
-        most = memory.max_rows(total, state, per_row)
         local = max(1, cfg["batch_size"] * cfg["group_size"] // cfg["mini_batches"] // self.dist.world)
-        self._say(memory.describe(memory.even_split(local, most), per_row, total, state))
+        most = memory.max_rows(total, state, pass_of, local)
+        rows = memory.even_split(local, most)
+        self._say(memory.describe(rows, pass_of(rows), total, state))
         return most
 
     def _rows_per_pass(self, rows: int) -> int:
@@ -507,7 +511,8 @@ class RLTrainer:
             mb = batch.select(sub)
             with self._compute():
                 logp = policy.response_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                                mb.response_mask, cfg["temperature"], cfg["group_size"])
+                                                mb.response_mask, cfg["temperature"], cfg["group_size"],
+                                                cfg["logit_chunk_tokens"])
             # one update per batch: the policy *is* the sampler, so old = logp without a pass
             old = logp.detach() if single or mb.old_logp is None else mb.old_logp
             loss, got = algos.policy_loss(
@@ -557,7 +562,7 @@ class RLTrainer:
             with self._compute():
                 parts.append(policy.response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                                                       mb.response_mask, self.cfg["temperature"],
-                                                      self.cfg["group_size"]))
+                                                      self.cfg["group_size"], self.cfg["logit_chunk_tokens"]))
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ evaluation

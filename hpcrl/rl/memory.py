@@ -18,7 +18,9 @@ import math
 
 # bytes per response position per vocabulary entry at the loss: the compute-dtype logits, their
 # float32 copy, the temperature-scaled copy, the log-softmax kept for the backward, and the
-# backward's two vocabulary-wide gradients
+# backward's two vocabulary-wide gradients. Pessimistic in float32 on a CPU (~9 measured); the
+# H200's out-of-memory run needs at least 12.6 to be explained (BENCHMARKS.md): erring low would
+# send a GPU run out of memory.
 LOGIT_BYTES = 20
 
 
@@ -31,17 +33,29 @@ def layer_bytes_per_token(config, dtype_bytes: int) -> int:
     return dtype_bytes * (10 * h + 4 * i) + 4 * 4 * h
 
 
-def row_bytes(config, prompt_tokens: int, response_tokens: int, dtype: str, checkpointing: bool = False) -> int:
-    """One row's activations through the training forward and backward. With gradient
-    checkpointing each layer keeps only its float32 input, and the backward rebuilds one layer's
-    activations at a time (counted twice: the rebuilt layer and its gradients' buffers).
-    Against measured peaks on a CPU in float32 (scripts/bench_act_mem.py): 0.95-1.02x without
+def row_bytes(config, prompt_tokens: int, response_tokens: int, dtype: str, checkpointing: bool = False,
+              logits: bool = True) -> int:
+    """One row's activations through the training forward and backward (with its response
+    logits unless `logits` is false: see pass_bytes). With gradient checkpointing each layer
+    keeps only its float32 input, and the backward rebuilds one layer's activations at a time
+    (counted twice: the rebuilt layer and its gradients' buffers). Against measured peaks on a
+    CPU in float32 at a small vocabulary (scripts/bench_act_mem.py): 0.95-1.02x without
     checkpointing, 0.85-1.18x with it (the allocator's noise is larger than its activations)."""
     dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
     layer = layer_bytes_per_token(config, dtype_bytes)
     per_token = (config.num_hidden_layers * 4 * config.hidden_size + 2 * layer if checkpointing
                  else config.num_hidden_layers * layer)
-    return (prompt_tokens + response_tokens) * per_token + response_tokens * config.vocab_size * LOGIT_BYTES
+    head = response_tokens * config.vocab_size * LOGIT_BYTES if logits else 0
+    return (prompt_tokens + response_tokens) * per_token + head
+
+
+def pass_bytes(config, rows: int, prompt_tokens: int, response_tokens: int, dtype: str,
+               checkpointing: bool = False, chunk_tokens: int | None = None) -> int:
+    """One forward/backward of `rows` rows: their activations, and the logits of at most
+    `chunk_tokens` response tokens at once (policy.logit_chunk_tokens; None: all of them)."""
+    tokens = rows * response_tokens if chunk_tokens is None else min(rows * response_tokens, chunk_tokens)
+    return (rows * row_bytes(config, prompt_tokens, response_tokens, dtype, checkpointing, logits=False)
+            + tokens * config.vocab_size * LOGIT_BYTES)
 
 
 def state_bytes(n_params: int, shards: int, reference: bool) -> int:
@@ -50,10 +64,15 @@ def state_bytes(n_params: int, shards: int, reference: bool) -> int:
     return n_params * (16 + (4 if reference else 0)) // shards
 
 
-def max_rows(device_bytes: int, state: int, per_row: int) -> int:
-    """The most rows whose activations fit in half of what the state leaves (the other half:
-    the reference's and the rollout's passes, the allocator's fragmentation); at least 1."""
-    return max(1, (device_bytes - state) // 2 // max(1, per_row))
+def max_rows(device_bytes: int, state: int, pass_of, limit: int) -> int:
+    """The most rows, up to `limit`, whose pass (pass_of(rows) bytes) fits in half of what the
+    state leaves (the other half: the reference's and the rollout's passes, the allocator's
+    fragmentation); at least 1."""
+    budget = (device_bytes - state) // 2
+    rows = 1
+    while rows < limit and pass_of(rows + 1) <= budget:
+        rows += 1
+    return rows
 
 
 def even_split(rows: int, most: int) -> int:
@@ -64,10 +83,10 @@ def even_split(rows: int, most: int) -> int:
     return math.ceil(rows / math.ceil(rows / most))
 
 
-def describe(rows_per_pass: int, per_row: int, device_bytes: int, state: int) -> str:
+def describe(rows_per_pass: int, per_pass: int, device_bytes: int, state: int) -> str:
     gib = 2 ** 30
     return (f"micro_batch_size 0 on a GPU: at most {rows_per_pass} rows per forward/backward "
-            f"(~{per_row / gib:.2f} GiB of activations a row estimated from the model's shape; "
+            f"(~{per_pass / gib:.2f} GiB of activations a pass estimated from the model's shape; "
             f"{device_bytes / gib:.0f} GiB of the device for training, {state / gib:.1f} GiB model state; "
             "set micro_batch_size to choose)")
 

@@ -95,7 +95,7 @@ def left_pad(seqs, pad_id: int, device=None):
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
-                      group_size: int = 1):
+                      group_size: int = 1, chunk_tokens: int = 0):
     """log pi(y_t | x, y_<t) for every response token (B x R), with the positions generate used.
 
     Position ids come from the attention mask: with left padding the default arange would shift
@@ -107,11 +107,17 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     run once per group and its keys/values are shared by the group's responses: the prompt's
     share of the forward and backward work shrinks by group_size. Gradients flow through the
     shared keys/values, so the result equals the full forward up to float rounding.
+
+    When the response tokens' logits would be large (more tokens than `chunk_tokens`; 0: as many
+    as ~1 GiB of logits, `logit_chunk_tokens`), the model returns its final hidden states and the
+    LM head and log-softmax run over one chunk of tokens at a time (`_chunked_logp`).
     """
     r = response_ids.shape[1]
+    chunk = logit_chunk_tokens(model, chunk_tokens)
+    run = _runner(model, hidden=response_ids.numel() > chunk)
     if (group_size > 1 and not recomputes_layers(model) and rows_share_prompts(prompt_ids, prompt_mask, group_size)
             and _plain_kv_cache(model)):
-        logits = _logits_shared_prompt(model, prompt_ids, prompt_mask, response_ids, group_size)
+        out = _shared_prompt(model, run, prompt_ids, prompt_mask, response_ids, group_size)
     else:
         # the last response token predicts nothing we score: it is not fed at all
         ids = torch.cat([prompt_ids, response_ids[:, :-1]], dim=1)
@@ -121,8 +127,56 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
             pos = (attn.cumsum(-1) - 1).clamp(min=0)
         # only the positions that predict response tokens go through the LM head (a 150k vocabulary
         # over the prompt too would be most of the activation memory)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                       logits_to_keep=r).logits[:, -r:]
+        out = run(r, input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)[:, -r:]
+    if run.hidden:
+        return _chunked_logp(model.get_output_embeddings(), out, response_ids, temperature, chunk)
+    return _logp(out, response_ids, temperature)
+
+
+# the response logits held at once when they are computed in chunks (several float32 copies of
+# chunk tokens x vocabulary: hpcrl/rl/memory.py's LOGIT_BYTES)
+LOGIT_CHUNK_BYTES = 2 ** 30
+
+
+def logit_chunk_tokens(model, configured: int = 0) -> int:
+    """Response tokens whose logits are computed at once: `configured`, or as many as fit in
+    LOGIT_CHUNK_BYTES (353 at Qwen's 151,936 entries; 185,000 at the tiny model's 289: never
+    chunked). A model whose decoder has no final `norm` to hook is never chunked."""
+    from . import memory
+
+    try:
+        hookable = getattr(model.get_decoder(), "norm", None) is not None and model.get_output_embeddings() is not None
+    except (AttributeError, NotImplementedError):
+        hookable = False
+    if not hookable:
+        return 2 ** 62
+    return configured or max(1, LOGIT_CHUNK_BYTES // (model.config.vocab_size * memory.LOGIT_BYTES))
+
+
+def _runner(model, hidden: bool):
+    """run(keep, **model_kwargs) -> the last `keep` positions' logits (keep 0: all), or with
+    `hidden` their final hidden states (the decoder's final norm's output, taken by a forward
+    hook inside the model's own forward, where fsdp has the root's weights gathered; the LM head
+    then runs on one position only)."""
+    if not hidden:
+        def run(keep, **kw):
+            return model(**kw, logits_to_keep=keep).logits
+    else:
+        norm = model.get_decoder().norm
+
+        def run(keep, **kw):
+            got = []
+            handle = norm.register_forward_hook(lambda mod, args, out: got.append(out))
+            try:
+                model(**kw, logits_to_keep=1)
+            finally:
+                handle.remove()
+            return got[-1][:, -keep:] if keep else got[-1]
+    run.hidden = hidden
+    return run
+
+
+def _logp(logits, response_ids, temperature):
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -130,6 +184,27 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     # forward and backward, at the tiny vocabulary and at SmolLM2's (the same peak memory; BENCHMARKS)
     picked = torch.nn.functional.cross_entropy(logits.flatten(0, 1), response_ids.flatten(), reduction="none")
     return -picked.view(response_ids.shape)
+
+
+def _head_logp(head, hidden, ids, temperature):
+    return _logp(head(hidden).unsqueeze(0), ids.unsqueeze(0), temperature).squeeze(0)
+
+
+def _chunked_logp(head, hidden, response_ids, temperature, chunk: int):
+    """The LM head and log-softmax over `chunk` response tokens at a time. With gradients each
+    chunk is recomputed in the backward (torch.utils.checkpoint), so only one chunk's vocabulary-
+    wide logits exist at any time, forward or backward: at a 150k vocabulary they are most of a
+    row's activations (2.9 of 3.6 GiB for 1024 tokens with gradient checkpointing). The price is
+    the head's matmul once more in the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    flat, ids = hidden.reshape(-1, hidden.shape[-1]), response_ids.reshape(-1)
+    parts = []
+    for start in range(0, ids.shape[0], chunk):
+        args = (head, flat[start:start + chunk], ids[start:start + chunk], temperature)
+        parts.append(checkpoint(_head_logp, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else _head_logp(*args))
+    return torch.cat(parts).view(response_ids.shape)
 
 
 def recomputes_layers(model) -> bool:
@@ -165,22 +240,24 @@ def _plain_kv_cache(model) -> bool:
         return False
 
 
-def prefill_shared(model, prompt_ids, prompt_mask):
+def prefill_shared(model, prompt_ids, prompt_mask, run=None):
     """Run each distinct prompt once with a fresh KV cache.
 
-    Returns (logits at the last prompt position [G x V], cache, last position ids [G x 1], padded)
-    where `padded` says whether later calls need an attention mask (some prompt is left padded).
+    Returns (logits at the last prompt position [G x V] (with a hidden `run`: the final hidden
+    state there), cache, last position ids [G x 1], padded) where `padded` says whether later
+    calls need an attention mask (some prompt is left padded).
     """
+    run = run or _runner(model, hidden=False)
     padded = not bool(prompt_mask.all())
     pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     cache = new_kv_cache(model)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask if padded else None, position_ids=pos,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1], cache, pos[:, -1:], padded
+    out = run(1, input_ids=prompt_ids, attention_mask=prompt_mask if padded else None, position_ids=pos,
+              past_key_values=cache, use_cache=True)
+    return out[:, -1], cache, pos[:, -1:], padded
 
 
-def _logits_shared_prompt(model, prompt_ids, prompt_mask, response_ids, n: int):
-    first, cache, last_pos, padded = prefill_shared(model, prompt_ids[::n], prompt_mask[::n])
+def _shared_prompt(model, run, prompt_ids, prompt_mask, response_ids, n: int):
+    first, cache, last_pos, padded = prefill_shared(model, prompt_ids[::n], prompt_mask[::n], run)
     first = first.unsqueeze(1).repeat_interleave(n, dim=0)  # predicts response token 0
     r = response_ids.shape[1]
     if r == 1:
@@ -190,6 +267,6 @@ def _logits_shared_prompt(model, prompt_ids, prompt_mask, response_ids, n: int):
     attn = None
     if padded:
         attn = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], r - 1)], dim=1)
-    out = model(input_ids=response_ids[:, :-1], attention_mask=attn, position_ids=pos, past_key_values=cache,
-                use_cache=True)
-    return torch.cat([first, out.logits], dim=1)
+    out = run(0, input_ids=response_ids[:, :-1], attention_mask=attn, position_ids=pos, past_key_values=cache,
+              use_cache=True)
+    return torch.cat([first, out], dim=1)

@@ -189,6 +189,8 @@ SCHEMA = Schema("builtin", [
     Int("micro_batch_size", 0, "rows per forward/backward (gradient accumulation); 0: a whole mini-batch on a CPU, "
         "on a GPU the most rows the device's memory holds by an estimate from the model's shape (hpcrl/rl/memory.py)",
         ge=0),
+    Int("logit_chunk_tokens", 0, "response tokens whose vocabulary-wide logits exist at once in the loss (the LM head "
+        "recomputed per chunk in the backward); 0: ~1 GiB of them (353 tokens at a 151,936 vocabulary)", ge=0),
     Bool("gradient_checkpointing", False, "recompute each decoder layer's activations in the backward: a layer "
          "keeps only its input (activation memory / ~layers; ~1/3 more compute; the training forward then runs "
          "each group's prompt once per row)"),

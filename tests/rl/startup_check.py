@@ -59,4 +59,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # as the trainer leaves (hpcrl.rl.train.leave): gloo's threads can abort a rank at the
+    # interpreter's teardown ("terminate called without an active exception"; seen in a full run)
+    from hpcrl.rl.train import leave
+
+    leave(main())

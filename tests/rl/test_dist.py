@@ -448,8 +448,10 @@ def test_gradients_equal_on_one_and_two_ranks_ddp_and_fsdp(tmp_path):
     a gradient scaled by the world size, or a rank's rows counted twice, is off by its whole size."""
     one = grads_run(tmp_path, "one", 1)
     assert sorted(one) == ["grads-1-0.pt", "grads-2-0.pt", "grads-2-1.pt"]
-    # and fsdp with gradient checkpointing: each layer's recomputation inside FSDP2's gathers
-    for parallel, extra in (("ddp", {}), ("fsdp", {}), ("fsdp", {"gradient_checkpointing": True})):
+    # and fsdp with gradient checkpointing and chunked logits: each layer's and each chunk's
+    # recomputation inside FSDP2's gathers (the LM head read from the root after its forward)
+    for parallel, extra in (("ddp", {}), ("fsdp", {}),
+                            ("fsdp", {"gradient_checkpointing": True, "logit_chunk_tokens": 5})):
         two = grads_run(tmp_path, parallel + "-ckpt" * bool(extra), 2, parallel, **extra)
         assert sorted(two) == sorted(one)
         for step in one:

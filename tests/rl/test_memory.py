@@ -29,11 +29,19 @@ def test_the_whole_batch_that_ran_out_of_an_h200_is_estimated_not_to_fit():
     assert 128 * per_row + state > H200
     # the logits' share: 256 positions x 151,936 entries, several float32 copies
     assert 256 * 151_936 * 4 * 3 < per_row < 2 * GIB
-    most = memory.max_rows(H200, state, per_row)
+    most = memory.max_rows(H200, state, lambda n: n * per_row, 128)
     rows = memory.even_split(128, most)
     assert 1 <= rows < 128
     assert rows * per_row + state <= H200 // 2 + state  # the split fits in half of what the state leaves
     assert memory.even_split(128, rows) == rows  # a fixed point: each pass takes the same rows
+    # today's loss holds one chunk of ~1 GiB of logits, not the rows': the same device takes more rows
+    chunk = policy.LOGIT_CHUNK_BYTES // (QWEN05.vocab_size * memory.LOGIT_BYTES)
+    assert chunk == 353
+
+    def chunked(n):
+        return memory.pass_bytes(QWEN05, n, 64, 256, "bfloat16", False, chunk)
+    assert chunked(128) < 128 * per_row / 2
+    assert memory.max_rows(H200, state, chunked, 128) > most
 
 
 def test_the_split_is_even_and_never_empty():
@@ -41,7 +49,9 @@ def test_the_split_is_even_and_never_empty():
     assert memory.even_split(128, 43) == 43  # 3 passes: 43, 43, 42
     assert memory.even_split(8, 60) == 8
     assert memory.even_split(5, 1) == 1
-    assert memory.max_rows(10 * GIB, 20 * GIB, GIB) == 1  # the state alone overflows: still one row
+    assert memory.max_rows(10 * GIB, 20 * GIB, lambda n: n * GIB, 8) == 1  # the state alone overflows: one row
+    assert memory.max_rows(100 * GIB, 20 * GIB, lambda n: n * GIB, 8) == 8  # room for more than there are
+    assert memory.max_rows(100 * GIB, 20 * GIB, lambda n: n * GIB, 64) == 40
 
 
 def test_fsdp_divides_the_state_and_a_reference_adds_to_it():
@@ -173,13 +183,65 @@ def test_every_gpu_recipe_fits_a_perlmutter_a100_by_the_estimate(name):
     shape = types.SimpleNamespace(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, vocab_size=151_936)
     state = memory.state_bytes(params, ranks if args.get("parallel") == "fsdp" else 1, args.get("beta", 0) > 0)
     vllm = args.get("vllm_gpu_memory_utilization", 0.4) * A100_40 if args.get("rollout") == "vllm" else 0
-    row = memory.row_bytes(shape, args["max_prompt_length"], args["max_response_length"], args["dtype"],
-                           args.get("gradient_checkpointing", False))
+    chunk = args.get("logit_chunk_tokens") or policy.LOGIT_CHUNK_BYTES // (151_936 * memory.LOGIT_BYTES)
     assert args["micro_batch_size"] >= 1
-    used = state + vllm + args["micro_batch_size"] * row
+    used = state + vllm + memory.pass_bytes(shape, args["micro_batch_size"], args["max_prompt_length"],
+                                            args["max_response_length"], args["dtype"],
+                                            args.get("gradient_checkpointing", False), chunk)
     assert used <= 0.92 * A100_40, f"{name}: {used / GIB:.1f} GiB of {A100_40 / GIB:.1f}"
 
 
 def test_ddp_of_a_15b_model_beside_vllm_cannot_fit_a_40gb_gpu():
     """Why the 1.5B recipes shard: the whole float32 state and the reference exceed what vLLM leaves."""
     assert memory.state_bytes(QWEN["1.5B"][3], 1, reference=True) + 0.3 * A100_40 > A100_40
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_chunked_logits_give_the_same_logprobs_and_gradients(tmp_path, group):
+    """The LM head over 5 response tokens at a time (recomputed in the backward) against the whole
+    response at once: padded prompts, a temperature, the group-shared prompt and the full path."""
+    from hpcrl.rl.rollout import HFRollout
+    from hpcrl.rl.tiny import build_tiny_model
+
+    model, tok = policy.load_policy(build_tiny_model(tmp_path / "m", hidden_size=32, layers=2, heads=2, max_int=60),
+                                    torch.device("cpu"))
+    torch.manual_seed(0)
+    batch = HFRollout(model, tok, max_new_tokens=6).generate([tok("numbers 3 5 target 8 answer").input_ids,
+                                                              tok("numbers 4 target 9 answer").input_ids], n=3)
+    assert not bool(batch.prompt_mask.all()) and batch.response_ids.numel() > 5
+    weights = torch.randn(batch.response_ids.shape)
+    got = []
+    for chunk in (0, 5):
+        assert policy.logit_chunk_tokens(model, chunk) == (chunk or policy.LOGIT_CHUNK_BYTES // (
+            model.config.vocab_size * memory.LOGIT_BYTES))
+        model.zero_grad(set_to_none=True)
+        logp = policy.response_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                        batch.response_mask, 0.7, group_size=group, chunk_tokens=chunk)
+        (logp * weights * batch.response_mask).sum().backward()
+        with torch.no_grad():  # the reference's pass: chunks without recomputation
+            again = policy.response_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                             batch.response_mask, 0.7, group_size=group, chunk_tokens=chunk)
+        assert torch.allclose(again, logp.detach(), atol=1e-6)
+        got.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (a, ga), (b, gb) = got
+    assert torch.allclose(a, b, atol=1e-5)
+    for x, y in zip(ga, gb):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-4)
+
+
+def test_chunked_logits_hold_a_chunk_not_the_response(tmp_path):
+    """The logits' memory: with chunks of 4 tokens no tensor of the whole response's logits is
+    ever made (the LM head's outputs are watched by a forward hook)."""
+    from hpcrl.rl.tiny import build_tiny_model
+
+    model, _ = policy.load_policy(build_tiny_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, max_int=60),
+                                  torch.device("cpu"))
+    shapes = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    prompt, response = torch.randint(3, 50, (2, 5)), torch.randint(3, 50, (2, 9))
+    logp = policy.response_logprobs(model, prompt, torch.ones_like(prompt), response, torch.ones(2, 9), 1.0,
+                                    chunk_tokens=4)
+    logp.sum().backward()
+    vocab = model.config.vocab_size
+    assert max(s[-2] * (s[0] if len(s) == 3 else 1) for s in shapes) <= 4  # forward, and the recompute
+    assert (4, vocab) in shapes and (2, 1, vocab) in shapes  # chunks, and the model's own 1-position head
