@@ -114,7 +114,18 @@ def test_an_importable_module_reward_is_accepted_at_submit(fast_local, tmp_path)
     assert r.returncode == 2 and "'myrewards_f22' is not importable" in r.stderr, r.stderr
     hpcrl(*argv, "--set", f"env.PYTHONPATH={tmp_path / 'lib'}")
     hpcrl("cancel", "mod")
-    wait_for_run("mod", timeout=400)  # a trainer still loading torch on a busy machine ends when loaded
+    # A trainer still loading torch on a busy machine ends when loaded. A job the cancel killed
+    # before its end hook ran leaves its segment RUNNING until `status` asks the scheduler (as a
+    # user's next command would; launch.refresh): one CI-shaped run's job was killed 3.5 s in.
+    from helpers import wait_until
+
+    from hpcrl import launch
+    from hpcrl.runs import Run
+
+    def closed():
+        return not any(s["state"] in ("RUNNING", "QUEUED") for s in launch.refresh(Run.by_id("mod"))["segments"])
+    wait_until(closed, 400, "the cancelled run's segments to close")
+    wait_for_run("mod", timeout=60)
 
 
 def test_reward_names_of_the_schema_are_the_trainers():
