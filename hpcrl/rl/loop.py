@@ -121,9 +121,11 @@ class RLTrainer:
         state = memory.state_bytes(params, self.dist.world if self.fsdp else 1, self.ref is not None)
         if cfg["rollout"] == "vllm":  # a colocated vLLM holds its share of the device for the whole run
             total = int(total * (1 - cfg["vllm_gpu_memory_utilization"]))
-        local = max(1, cfg["batch_size"] * cfg["group_size"] // cfg["mini_batches"] // self.dist.world)
-        most = memory.max_rows(total, state, pass_of, local)
-        rows = memory.even_split(local, most)
+        # the rows a rank holds per optimizer step (whole groups per rank: some ranks may hold more
+        # than the mean, so the search runs up to the whole batch and the message names the most)
+        local = -(-cfg["batch_size"] // self.dist.world) * cfg["group_size"] // cfg["mini_batches"]
+        most = memory.max_rows(total, state, pass_of, cfg["batch_size"] * cfg["group_size"])
+        rows = memory.even_split(max(1, local), most)
         self._say(memory.describe(rows, pass_of(rows), total, state))
         return most
 

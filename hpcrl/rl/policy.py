@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from . import memory
+
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
@@ -142,8 +144,6 @@ def logit_chunk_tokens(model, configured: int = 0) -> int:
     """Response tokens whose logits are computed at once: `configured`, or as many as fit in
     LOGIT_CHUNK_BYTES (353 at Qwen's 151,936 entries; 185,000 at the tiny model's 289: never
     chunked). A model whose decoder has no final `norm` to hook is never chunked."""
-    from . import memory
-
     try:
         hookable = getattr(model.get_decoder(), "norm", None) is not None and model.get_output_embeddings() is not None
     except (AttributeError, NotImplementedError):
