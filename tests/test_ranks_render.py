@@ -36,7 +36,7 @@ def test_world_of_one_is_the_plain_command_with_no_stop_or_exit_file():
                                     + "/runs/one/trainer.json")
         assert "torch.distributed.run" not in text and "srun" not in text
         assert "HPCRL_STOP_FILE" not in text and "HPCRL_EXIT_FILE" not in text
-        assert "; forward USR1'" in text  # the one process gets USR1 itself, as before
+        assert "; forward USR1; fi' USR1" in text  # the one process gets USR1 itself, as before
 
 
 def test_local_two_ranks_run_standalone_torchrun_and_turn_usr1_into_the_stop_file():

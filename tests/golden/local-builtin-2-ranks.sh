@@ -71,8 +71,15 @@ runner=""
 forward() {
   [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
 }
-trap 'echo "hpcrl: USR1: checkpoint and stop (stop file for the ranks)"; touch "$HPCRL_RUN_DIR/.checkpointing" "$HPCRL_STOP_FILE"' USR1
-trap 'echo "hpcrl: TERM: stop now"; hpcrl_term=1; forward TERM' TERM
+# A signal once the trainer has exited (the walltime's USR1 may come late: Slurm checks limits on
+# a 30 s tick; a trainer may finish just before it) has nothing to save or stop: it is recorded as
+# such, never announced as a checkpoint, and sets no CHECKPOINTING flag that outlives the segment.
+exited() { [ -n "${hpcrl_done:-}" ] || [ -e "$rc_file" ]; }
+late() {
+  echo "hpcrl: $1 arrived after the trainer had exited${hpcrl_rc:+ (code $hpcrl_rc)}: $2"
+}
+trap 'if exited; then late USR1 "nothing to checkpoint"; else echo "hpcrl: USR1: checkpoint and stop (stop file for the ranks)"; touch "$HPCRL_RUN_DIR/.checkpointing" "$HPCRL_STOP_FILE"; fi' USR1
+trap 'if exited; then late TERM "nothing to stop"; else echo "hpcrl: TERM: stop now"; hpcrl_term=1; forward TERM; fi' TERM
 (
   trap : USR1 TERM INT
   "$trainer_py" -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --standalone -m hpcrl.rl.train --config /home/user/.local/share/hpcrl/runs/two/trainer.json
@@ -83,6 +90,7 @@ runner=$!
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"
 done
+hpcrl_done=1
 rc=$(cat "$rc_file" 2>/dev/null) || rc=1
 rm -f "$rc_file"
 # Every rank exited 0, or torchrun exited 1 only because a TERM reached it (after forwarding it)
@@ -92,6 +100,7 @@ if [ "$rc" -eq 0 ] || { [ -n "${hpcrl_term:-}" ] && [ -s "$HPCRL_EXIT_FILE" ]; }
   case "$rc" in ''|*[!0-9]*) echo "hpcrl: the ranks exited 0 but left no exit code in $HPCRL_EXIT_FILE" >&2; rc=1 ;; esac
 fi
 rm -f "$HPCRL_STOP_FILE" "$HPCRL_EXIT_FILE"
+hpcrl_rc=$rc
 echo "hpcrl: trainer exited with code $rc"
 "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc "$rc"
 # The scheduler's record of this job: a segment that stopped to be continued did what it should

@@ -111,8 +111,15 @@ runner=""
 forward() {
   [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
 }
-trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1' USR1
-trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
+# A signal once the trainer has exited (the walltime's USR1 may come late: Slurm checks limits on
+# a 30 s tick; a trainer may finish just before it) has nothing to save or stop: it is recorded as
+# such, never announced as a checkpoint, and sets no CHECKPOINTING flag that outlives the segment.
+exited() { [ -n "${hpcrl_done:-}" ] || [ -e "$rc_file" ]; }
+late() {
+  echo "hpcrl: $1 arrived after the trainer had exited${hpcrl_rc:+ (code $hpcrl_rc)}: $2"
+}
+trap 'if exited; then late USR1 "nothing to checkpoint"; else echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1; fi' USR1
+trap 'if exited; then late TERM "nothing to stop"; else echo "hpcrl: TERM: stop now"; forward TERM; fi' TERM
 (
   trap : USR1 TERM INT
   "$trainer_py" /pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/verl/launch.py --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints --save-mode deadline --save-freq 20 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/gsm8k/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/gsm8k/test.parquet'"'"'' data.train_batch_size=128 data.max_prompt_length=512 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-0.5B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gspo actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean actor_rollout_ref.actor.clip_ratio_low=0.0003 actor_rollout_ref.actor.clip_ratio_high=0.0004 actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.use_kl_loss=False algorithm.use_kl_in_reward=False reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints trainer.resume_mode=auto trainer.nnodes=1 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=10 trainer.project_name=hpcrl-gsm8k trainer.experiment_name=verl-gsm8k-gspo trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300 ray_kwargs.ray_init.num_cpus=128
@@ -123,8 +130,10 @@ runner=$!
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"
 done
+hpcrl_done=1
 rc=$(cat "$rc_file" 2>/dev/null) || rc=1
 rm -f "$rc_file"
+hpcrl_rc=$rc
 echo "hpcrl: trainer exited with code $rc"
 "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc "$rc"
 # The scheduler's record of this job: a segment that stopped to be continued did what it should

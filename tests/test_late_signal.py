@@ -1,0 +1,45 @@
+"""A walltime signal that reaches the batch shell after the trainer has exited (Slurm checks limits
+on a 30 s tick; a trainer may finish just before its USR1): the segment records it as late and
+neither announces a checkpoint nor leaves the CHECKPOINTING flag behind. Real processes, a real
+signal; the ordering is made certain by holding the run's lock, on which the segment's end hook
+waits after the trainer's exit (bash runs a trap only once its foreground command returns)."""
+
+import fcntl
+import json
+import os
+import signal
+
+from helpers import hpcrl, run_dir, wait_for_run, wait_until
+
+
+def _log(rdir, job_id="1") -> str:
+    path = rdir / "logs" / f"job-{job_id}.log"
+    return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+
+
+def test_usr1_after_the_trainer_exited_is_recorded_as_late_not_as_a_checkpoint(fast_local):
+    # 180 s of walltime: the supervisor's own USR1 (4 s before the end) never comes in this test
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", "late",
+          "--set", "args.steps=4", "--set", "args.step_time_s=0.5")
+    rdir = run_dir("late")
+    from hpcrl.runs import Run
+
+    run = Run.by_id("late")
+    wait_until(lambda: "smoke: segment 1 starts" in _log(rdir), 60, "the trainer to start", describe=lambda: _log(rdir))
+    with open(run.layout.lock, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the end hook (`_segment end`) now waits for us
+        try:
+            assert "trainer exited" not in _log(rdir), "the trainer (2 s of steps) ended before the lock was taken"
+            wait_until(lambda: "hpcrl: trainer exited with code 0" in _log(rdir), 60, "the trainer's exit",
+                       describe=lambda: _log(rdir)[-500:])
+            shell = json.loads((rdir / ".queue" / "1.json").read_text())["pgid"]
+            os.kill(shell, signal.SIGUSR1)  # to the batch shell only, as Slurm's --signal=B:USR1
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    state = wait_for_run("late", timeout=60)
+    assert state["state"] == "COMPLETED" and state["segments"][0]["state"] == "COMPLETE"
+    log = _log(rdir)
+    after = log.split("hpcrl: trainer exited with code 0", 1)[1]
+    assert "hpcrl: USR1 arrived after the trainer had exited (code 0): nothing to checkpoint" in after, log
+    assert "checkpoint and stop" not in log, log
+    assert not run.layout.checkpointing_flag.exists(), "a late USR1 left the run marked CHECKPOINTING"
