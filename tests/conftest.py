@@ -56,14 +56,68 @@ TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_d
 PHASES = ("light", "tiers")
 
 
+# The inner loop, `scripts/test --quick` (HPCRL_TEST_QUICK=1): the files, relative to tests/, whose
+# tests run in this process in seconds: no CLI run waited on, no torchrun or spawned ranks, no
+# Slurm, no Ray, no model trained; a `bash -n`, a one-shot render or a fake gcloud call is fine.
+# Measured with --durations=0 on the shared 2-core machine (load 4-7): ~75 s of tests in all,
+# test_rollout_and_checkpoint the largest (~21 s). Every other file runs only in the full suite, and
+# so does a new file until it is listed here (tests/test_quick.py checks the list). A "file::test"
+# in NOT_QUICK leaves one slow test of a listed file out; so does a slow, slurm or Ray marker.
+QUICK = (
+    "test_lifecycle.py", "test_launch_faults.py", "test_layering.py", "test_ckptstore.py", "test_protocol.py",
+    "test_slurm_parse.py", "test_trainer_args.py", "test_render.py", "test_ranks_render.py",
+    "test_recipes_render.py", "test_maxtext.py", "test_tpu_backend.py",
+    "rl/test_algos.py", "rl/test_memory.py", "rl/test_rewards.py", "rl/test_rollout_and_checkpoint.py",
+    "rl/test_data_and_commands.py",
+)
+NOT_QUICK = (
+    "rl/test_rewards.py::test_reward_model_batch_normalisation_is_global_and_truncates_from_the_left",  # ~21 s
+    "test_tpu_backend.py::test_real_gcloud_parses_our_argv",  # the real gcloud CLI, 2-7 s a call
+)
+NOT_QUICK_MARKERS = ("slow", "slurm", "uses_ray", "stops_slurmctld")
+TESTS_DIR = Path(__file__).resolve().parent
+
+
 def _in_tiers(path: str) -> bool:
     return path.rsplit("/", 1)[-1] in TIERS
+
+
+def is_quick(item) -> bool:
+    """Whether a collected test belongs to the inner loop (see QUICK)."""
+    try:
+        rel = Path(item.path).resolve().relative_to(TESTS_DIR).as_posix()
+    except ValueError:
+        return False
+    name = item.name.split("[", 1)[0]
+    if rel not in QUICK or f"{rel}::{name}" in NOT_QUICK or rel.rsplit("/", 1)[-1] in TIERS:
+        return False
+    return not any(item.get_closest_marker(m) for m in NOT_QUICK_MARKERS)
+
+
+def _quick() -> bool:
+    return os.environ.get("HPCRL_TEST_QUICK") == "1"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """In the inner loop the other files are not even imported (their imports cost seconds)."""
+    if _quick() and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        try:
+            rel = collection_path.resolve().relative_to(TESTS_DIR).as_posix()
+        except ValueError:
+            return None
+        return True if rel not in QUICK else None
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
     phase = os.environ.get("HPCRL_TEST_PHASE", "")
     if phase and phase not in PHASES:
         raise pytest.UsageError(f"HPCRL_TEST_PHASE={phase!r}: use one of {', '.join(PHASES)} (or leave it unset for all)")
+    if _quick():
+        slow = [item for item in items if not is_quick(item)]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if is_quick(item)]
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0], []).append(item)

@@ -1,0 +1,64 @@
+"""The inner loop's selection (tests/conftest.py QUICK, `scripts/test --quick`): every entry names
+something that exists, a file nobody classified stays in the full suite only, and nothing marked
+slow, Slurm or Ray, and no tier, is ever in it (pytest's own collection, as scripts/test runs it)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import NOT_QUICK, QUICK, TESTS_DIR, TIERS, is_quick
+
+ROOT = TESTS_DIR.parent
+
+
+def test_every_entry_names_a_file_or_test_that_exists():
+    for rel in QUICK:
+        assert (TESTS_DIR / rel).is_file() and Path(rel).name.startswith("test_"), rel
+        assert Path(rel).name not in TIERS, rel
+    for entry in NOT_QUICK:
+        rel, _, name = entry.partition("::")
+        assert rel in QUICK, f"{entry}: only a test of a QUICK file needs leaving out"
+        assert f"def {name}(" in (TESTS_DIR / rel).read_text(encoding="utf-8"), f"{entry}: no such test"
+
+
+class _Item:  # what is_quick reads of a pytest item: a stand-in with a path, a name and markers
+    def __init__(self, rel, name="test_x", markers=()):
+        self.path, self.name, self.markers = TESTS_DIR / rel, name, set(markers)
+
+    def get_closest_marker(self, name):
+        return name if name in self.markers else None
+
+
+def test_an_unlisted_file_a_left_out_test_and_a_slow_marker_stay_out_of_the_inner_loop():
+    assert is_quick(_Item("test_lifecycle.py"))  # listed: in
+    assert not is_quick(_Item("test_brand_new.py"))  # a new file nobody classified: the full suite only
+    assert not is_quick(_Item("rl/test_brand_new.py"))
+    rel, _, name = NOT_QUICK[0].partition("::")
+    assert is_quick(_Item(rel)) and not is_quick(_Item(rel, f"{name}[param]"))
+    for marker in ("slow", "slurm", "uses_ray", "stops_slurmctld"):
+        assert not is_quick(_Item("test_lifecycle.py", markers=[marker])), marker
+
+
+def _collect(*args, quick=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("HPCRL_TEST_QUICK", "HPCRL_TEST_PHASE")}
+    if quick:
+        env["HPCRL_TEST_QUICK"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p",
+                           "no:xdist", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, [ln.split("[")[0] for ln in proc.stdout.splitlines() if "::" in ln]
+
+
+def test_pytest_collects_only_quick_files_and_nothing_marked_slow_slurm_or_ray():
+    rc, ids = _collect("tests")
+    assert rc == 0 and ids
+    files = {Path(i.split("::")[0]).relative_to("tests").as_posix() for i in ids}
+    assert files == set(QUICK), "every listed file has quick tests, and no other file is collected"
+    assert not {f"tests/{entry}" for entry in NOT_QUICK} & set(ids), "a left-out test was collected"
+    slow = "slow or slurm or uses_ray or stops_slurmctld"
+    rc, ids = _collect("tests", "-m", slow)
+    assert rc == 5 and not ids, f"marked tests in the inner loop: {sorted(set(ids))}"
+    rc, ids = _collect("tests/rl/test_code_tiny.py", "-m", slow, quick=False)
+    assert rc == 0 and ids, "the markers select tests outside the inner loop (else the check above proves nothing)"
