@@ -449,9 +449,11 @@ class Supervisor:
         return rc
 
     def _run(self) -> int:
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        # Handlers before the trainer starts: a TERM that arrived between the two (a loaded machine,
+        # a quick stand-in: seen in a test at load 12) killed the launcher by TERM's default action.
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGUSR1, self.on_signal)
+        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
         while self.proc.poll() is None:
             time.sleep(self.store.poll_s)
             self.poll_once()
