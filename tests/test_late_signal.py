@@ -17,7 +17,7 @@ def _log(rdir, job_id="1") -> str:
     return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
 
 
-def test_usr1_after_the_trainer_exited_is_recorded_as_late_not_as_a_checkpoint(fast_local):
+def test_usr1_and_term_after_the_trainer_exited_are_recorded_as_late_not_as_a_checkpoint(fast_local):
     # 180 s of walltime: the supervisor's own USR1 (4 s before the end) never comes in this test
     hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", "late",
           "--set", "args.steps=4", "--set", "args.step_time_s=0.5")
@@ -34,6 +34,7 @@ def test_usr1_after_the_trainer_exited_is_recorded_as_late_not_as_a_checkpoint(f
                        describe=lambda: _log(rdir)[-500:])
             shell = json.loads((rdir / ".queue" / "1.json").read_text())["pgid"]
             os.kill(shell, signal.SIGUSR1)  # to the batch shell only, as Slurm's --signal=B:USR1
+            os.kill(shell, signal.SIGTERM)  # and a TERM (the limit reached while the end hook works)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     state = wait_for_run("late", timeout=60)
@@ -41,5 +42,6 @@ def test_usr1_after_the_trainer_exited_is_recorded_as_late_not_as_a_checkpoint(f
     log = _log(rdir)
     after = log.split("hpcrl: trainer exited with code 0", 1)[1]
     assert "hpcrl: USR1 arrived after the trainer had exited (code 0): nothing to checkpoint" in after, log
-    assert "checkpoint and stop" not in log, log
+    assert "hpcrl: TERM arrived after the trainer had exited (code 0): nothing to stop" in after, log
+    assert "checkpoint and stop" not in log and "TERM: stop now" not in log, log
     assert not run.layout.checkpointing_flag.exists(), "a late USR1 left the run marked CHECKPOINTING"
