@@ -131,8 +131,8 @@ def test_cost_projection_uses_the_qos_charge():
 
     facts = progress.RunFacts(total_steps=None, walltime_s=3600, nodes=1, gpus_per_node=4,
                               charge_factor=resolved(qos="preempt", hours=1)["site"]["charge_factor"])
-    state = {"segments": [{"started": 0.0, "ended": 3600.0}]}
-    assert progress.cost(state, facts, 3600.0, 0)["charged_hours"] == pytest.approx(0.25)
+    state = {"segments": [{"started": 100.0, "ended": 3700.0}]}  # one node-hour on preempt
+    assert progress.cost(state, facts, 3700.0, 0)["charged_hours"] == pytest.approx(0.25)
 
 
 def test_preempt_renders_requeue_as_nersc_asks():
