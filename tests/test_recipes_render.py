@@ -59,7 +59,7 @@ def test_verl_multinode_script_starts_ray_head_and_workers_through_srun(tmp_path
     assert ('hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --overlap -w "$hpcrl_head" hostname '
             '--ip-address') in text
     # each Ray daemon gets the job's CPUs (srun no longer inherits -c since Slurm 22.05)
-    assert text.index("hpcrl_ray_cpus=${SLURM_CPUS_PER_TASK:-$(nproc)}") < text.index("hpcrl_head_ip=$(srun")
+    assert text.index("hpcrl_ray_cpus=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}") < text.index("hpcrl_head_ip=$(srun")
     assert 'export RAY_ADDRESS="$hpcrl_head_ip:"6379' in text
     assert "trap hpcrl_ray_stop EXIT" in text, "Ray must not outlive the segment"
     # Ray is up before the driver starts, and the driver is told the node count, not Ray's CPUs

@@ -428,8 +428,10 @@ def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str
 hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 hpcrl_head=${{hpcrl_nodes[0]}}
 # Every srun names its CPUs: since Slurm 22.05 a step no longer inherits the job's --cpus-per-task,
-# and a Ray daemon bound to one core while told it has them all starves its workers.
-hpcrl_ray_cpus=${{SLURM_CPUS_PER_TASK:-$(nproc)}}
+# and a Ray daemon bound to one core while told it has them all starves its workers. Ray is told
+# what its step holds: the job's CPUs per task, else the node's CPUs of the allocation (a step
+# asking for more than that is refused: "More processors requested than permitted").
+hpcrl_ray_cpus=${{SLURM_CPUS_PER_TASK:-${{SLURM_CPUS_ON_NODE:-$(nproc)}}}}
 hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --overlap -w "$hpcrl_head" hostname --ip-address | awk '{{print $1}}')
 export RAY_ADDRESS="$hpcrl_head_ip:"{q(str(port))}
 hpcrl_ray_pids=()
