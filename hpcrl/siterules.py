@@ -117,6 +117,18 @@ def _one_segment(rules: dict, rule: dict, site: dict, budget: dict) -> None:
                     f"the next{_cite(rule)}; run one segment (--total-hours equal to --hours {hours:g}){instead}")
 
 
+def resume_segments(site: dict, ran: int, asked: int | None) -> int | None:
+    """`hpcrl resume` of a run on a QOS without chaining: one more segment, queued from the login
+    side by the resume itself (never a chain queued from inside the job)."""
+    rule = qos_rules(site).get(site.get("qos")) or {}
+    if rule.get("chaining") is not False:
+        return asked
+    if asked is not None and asked > ran + 1:
+        raise SiteError(f"--max-segments {asked}: qos '{site.get('qos')}' forbids job chaining{_cite(rule)}; "
+                        f"each `hpcrl resume` of this run runs one more segment (--max-segments {ran + 1})")
+    return ran + 1
+
+
 def _share(rule: dict, site: dict, res: dict, given: dict) -> None:
     """A shared QOS: at most max_gpus on one node, and the CPUs and memory of those GPUs."""
     share = rule.get("shares_node")

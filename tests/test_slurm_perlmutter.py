@@ -173,17 +173,25 @@ srun -w nid002 -N 1 -n 1 bash -c 'setsid sleep 300 </dev/null >/dev/null 2>&1 & 
 def test_debug_run_is_one_job_that_queues_no_other(pm_site, pm_cluster):
     """NERSC forbids job chaining on debug: a debug run is one segment, and its job submits no
     batch job at all (not even a successor that would find nothing to do); a chain is refused."""
-    pm_site.extend(["pm-debug", "pm-debug-chain"])
+    run, chain = f"pm-debug-{os.getpid()}", f"pm-debug-chain-{os.getpid()}"  # sacct remembers earlier runs' jobs
+    pm_site.extend([run, chain])
     r = hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "debug", "--hours", ONE_MIN,
-              "--total-hours", "1", "--trainer", "smoke", "--name", "pm-debug-chain", check=False)
+              "--total-hours", "1", "--trainer", "smoke", "--name", chain, check=False)
     assert r.returncode != 0 and "chaining" in r.stderr and "--qos regular" in r.stderr, r.stderr
-    assert not _sacct("--name", "pm-debug-chain", "-S", "now-10minutes")
+    assert not _sacct("--name", chain, "-S", "now-10minutes")
     # more work than one 1-minute segment holds: the run stops after it, out of segments
     hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "debug", "--hours", ONE_MIN,
-          "--total-hours", ONE_MIN, "--trainer", "smoke", "--name", "pm-debug", "--set", "args.steps=300",
+          "--total-hours", ONE_MIN, "--trainer", "smoke", "--name", run, "--set", "args.steps=300",
           "--set", "args.step_time_s=0.4")
-    state = wait_for_run("pm-debug", timeout=240)
+    state = wait_for_run(run, timeout=240)
     assert len(started(state)) == 1 and len(state["segments"]) == 1, state["segments"]
     assert state["state"] != "COMPLETED", state  # stopped by its one-segment budget, resumable
-    jobs = _sacct("--name", "pm-debug", "-S", "now-1hour")
+    jobs = _sacct("--name", run, "-S", "now-1hour")
     assert len(jobs) == 1 and jobs[0]["QOS"] == "debug", jobs
+    # a resume runs one more segment, queued by the resume itself; never a chain
+    r = hpcrl("resume", run, "--max-segments", "5", check=False)
+    assert r.returncode != 0 and "chaining" in r.stderr and "--max-segments 2" in r.stderr, r.stderr
+    hpcrl("resume", run)
+    state = wait_for_run(run, timeout=240)
+    assert len(started(state)) == 2 and len(state["segments"]) == 2, state["segments"]
+    assert len(_sacct("--name", run, "-S", "now-1hour")) == 2
