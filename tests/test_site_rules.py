@@ -210,3 +210,32 @@ def test_gpu_job_on_an_account_without_g_warns_with_the_fix():
     warnings = [ln for ln in r.stderr.splitlines() if "m1234_g" in ln]
     assert len(warnings) == 1 and "_g" in warnings[0] and "--account m1234_g" in warnings[0], r.stderr
     assert "m1234_g" not in render("--trainer", "smoke", *PM).stderr
+
+
+def test_job_env_expands_only_variables_hostile_values_stay_text(home, tmp_path):
+    import os
+
+    from helpers import HOSTILE
+
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "pmh.yaml").write_text(yaml.safe_dump({"extends": "perlmutter",
+                                                    "job_env": {"HF_HOME": "$SCRATCH/" + HOSTILE + "${HOME}"}}))
+    text = hpcrl("render", "--trainer", "smoke", "--site", "pmh", "--account", "m1234_g", PY,
+                 env={**FIXED, "HPCRL_SITES_DIR": str(sites)}).stdout
+    start = text.index("export HF_HOME=")
+    line = text[start:text.index("\nexport PIP_CACHE_DIR=", start)]
+    out = subprocess.run(["bash", "-c", f'set -u\n{line}\nprintf %s "$HF_HOME"'], capture_output=True, text=True,
+                         env={"SCRATCH": "/s", "HOME": "/h", "PATH": "/usr/bin:/bin"}, check=True).stdout
+    assert out == "/s/" + HOSTILE + "/h"  # the PWNED files are checked by conftest's _no_pwned
+
+
+def test_job_env_variable_unset_at_submit_is_a_one_line_error(home):
+    import os
+
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "pmu.yaml").write_text(yaml.safe_dump({"extends": "perlmutter",
+                                                    "job_env": {"HF_HOME": "$NOT_SET_ANYWHERE/hf"}}))
+    r = hpcrl("render", "--trainer", "smoke", "--site", "pmu", "--account", "m1234_g", PY,
+              env={**FIXED, "HPCRL_SITES_DIR": str(sites)}, check=False)
+    line = one_line_error(r)
+    assert "job_env.HF_HOME" in line and "$NOT_SET_ANYWHERE" in line, line
