@@ -117,6 +117,14 @@ def _one_segment(rules: dict, rule: dict, site: dict, budget: dict) -> None:
                     f"the next{_cite(rule)}; run one segment (--total-hours equal to --hours {hours:g}){instead}")
 
 
+def reshare(site: dict, res: dict, changes: dict) -> None:
+    """`hpcrl resume --set resources.KEY=...` on a shared QOS: the share checked again, CPUs and
+    memory not given anew scaled to the GPUs now asked."""
+    rule = qos_rules(site).get(site.get("qos"))
+    if rule:
+        _share(rule, site, res, {key: changes.get(key) for key in ("cpus_per_task", "mem_gb")})
+
+
 def resume_segments(site: dict, ran: int, asked: int | None) -> int | None:
     """`hpcrl resume` of a run on a QOS without chaining: one more segment, queued from the login
     side by the resume itself (never a chain queued from inside the job)."""

@@ -414,6 +414,7 @@ def resize(resolved: dict, sets: list[str] | None, nodes: int | None = None) -> 
             res[b] = None
     trainer = get_trainer(resolved["spec"]["trainer"])
     res = _validate_resources(res, resolved["site"], trainer)
+    siterules.reshare(resolved["site"], res, changes)  # a shared QOS: still a share, scaled again
     trainer.check_world(resolved["spec"]["args"], world_size(res))
     return None if res == old else res
 

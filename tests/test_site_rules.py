@@ -239,3 +239,14 @@ def test_job_env_variable_unset_at_submit_is_a_one_line_error(home):
               env={**FIXED, "HPCRL_SITES_DIR": str(sites)}, check=False)
     line = one_line_error(r)
     assert "job_env.HF_HOME" in line and "$NOT_SET_ANYWHERE" in line, line
+
+
+def test_resize_on_shared_keeps_the_share():
+    from hpcrl import spec
+    from hpcrl.errors import HpcrlError
+
+    res = resolved("resources.gpus_per_node=1", qos="shared", hours=1)
+    assert (res["spec"]["resources"]["cpus_per_task"], res["spec"]["resources"]["mem_gb"]) == (32, 64)
+    assert spec.resize(res, ["resources.gpus_per_node=2"])[("cpus_per_task")] == 64
+    with pytest.raises(HpcrlError, match="a share of one node"):
+        spec.resize(res, ["resources.gpus_per_node=4"])
