@@ -250,3 +250,12 @@ def test_resize_on_shared_keeps_the_share():
     assert spec.resize(res, ["resources.gpus_per_node=2"])[("cpus_per_task")] == 64
     with pytest.raises(HpcrlError, match="a share of one node"):
         spec.resize(res, ["resources.gpus_per_node=4"])
+
+
+def test_srun_on_a_site_without_cpus_per_task_asks_for_the_nodes_cpus(tmp_path):
+    # (test_slurm_ranks runs this very line on the two-node test cluster)
+    spec = tmp_path / "spec.yaml"
+    hpcrl("init", "--recipe", "countdown-tiny", "--out", spec, env=FIXED)
+    text = render(spec, "--site", "testcluster", "--nodes", "2").stdout
+    sruns = [ln for ln in text.splitlines() if ln.lstrip().startswith("srun ")]
+    assert sruns and all('--cpus-per-task="$SLURM_CPUS_ON_NODE"' in ln for ln in sruns), sruns
