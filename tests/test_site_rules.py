@@ -256,6 +256,6 @@ def test_srun_on_a_site_without_cpus_per_task_asks_for_the_nodes_cpus(tmp_path):
     # (test_slurm_ranks runs this very line on the two-node test cluster)
     spec = tmp_path / "spec.yaml"
     hpcrl("init", "--recipe", "countdown-tiny", "--out", spec, env=FIXED)
-    text = render(spec, "--site", "testcluster", "--nodes", "2").stdout
+    text = render(spec, "--site", "testcluster", "--nodes", "2", "--set", "resources.cpus_per_task=null").stdout
     sruns = [ln for ln in text.splitlines() if ln.lstrip().startswith("srun ")]
     assert sruns and all('--cpus-per-task="$SLURM_CPUS_ON_NODE"' in ln for ln in sruns), sruns
