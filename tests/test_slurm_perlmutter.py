@@ -195,3 +195,23 @@ def test_debug_run_is_one_job_that_queues_no_other(pm_site, pm_cluster):
     state = wait_for_run(run, timeout=240)
     assert len(started(state)) == 2 and len(state["segments"]) == 2, state["segments"]
     assert len(_sacct("--name", run, "-S", "now-1hour")) == 2
+
+
+def test_shared_qos_job_holds_its_share_of_the_node(pm_site, pm_cluster):
+    """--qos shared with one GPU: Slurm allocates a quarter of the node (32 CPUs, 64 GB), not 128 CPUs."""
+    name = f"pm-shared-{os.getpid()}"
+    pm_site.append(name)
+    hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "shared", "--hours", ONE_MIN,
+          "--trainer", "smoke", "--name", name, "--set", "resources.gpus_per_node=1", "--set", "args.steps=5",
+          "--set", "args.step_time_s=0.2")
+    state = wait_for_run(name, timeout=240)
+    assert state["state"] == "COMPLETED", state
+    job_id = started(state)[0]["job_id"]
+    jobs = wait_until(lambda: _sacct("-j", job_id), 60, f"sacct to know job {job_id}", poll=1)
+    assert jobs[0]["QOS"] == "shared", jobs
+    tres = jobs[0]["AllocTRES"]
+    assert "cpu=32," in tres and "gres/gpu=1" in tres, tres
+    # this cluster does not count memory as a consumable (no mem in AllocTRES): the request is the record
+    mem = subprocess.run(["sacct", "-X", "-P", "-n", "-j", job_id, "-o", "ReqMem"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert mem and mem[0] in ("64G", "64Gn", "65536M", "65536Mn"), mem
