@@ -418,6 +418,7 @@ def resume(run_id: str, hours: float | None = None, total_hours: float | None = 
     change the budget record in state.json (its one owner) and the job script, together; new
     resources (nodes, ranks_per_node, ...) the frozen spec and the job script, together."""
     from .spec import check_resume_budget, resize, validate_qos
+    from .siterules import resume_segments
 
     run = Run.by_id(run_id)
     backend = backend_for(run)
@@ -428,6 +429,7 @@ def resume(run_id: str, hours: float | None = None, total_hours: float | None = 
         validate_qos(run.site(), hours)
     if max_segments is not None:
         max_segments = int(max_segments)
+    max_segments = resume_segments(run.site(), lifecycle.ran_segments(run.state()), max_segments)
     resolved = run.spec()
     old_res, new_res = resolved["spec"]["resources"], resize(resolved, sets, nodes)
     if new_res is not None:

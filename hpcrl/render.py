@@ -17,7 +17,7 @@ from . import __version__
 from .protocol import ERROR_FILE
 from .errors import SiteError
 from .paths import hpcrl_home, templates_dir
-from .shell import command_line, comment, q
+from .shell import command_line, comment, expandable, expandable_vars, q
 
 
 def expand_path(template: str, site: dict, what: str) -> str:
@@ -43,6 +43,23 @@ def _expandvars(value: str, env: dict) -> str:
             return "${" + key + "}"
 
     return string.Template(value).safe_substitute(_Keep(env))
+
+
+def job_env(site: dict, overridden) -> list[tuple[str, str]]:
+    """The site's job_env as (name, shell word) pairs, expanded by the job's shell (caches under the
+    job's $SCRATCH), less the names the spec, site env or trainer set. A variable a value uses
+    must be set here too: the job inherits this shell's environment, and its `set -u` would end
+    the script at an unset one before the segment is recorded."""
+    out = []
+    for key, value in sorted((site.get("job_env") or {}).items()):  # checked by spec._validate_site
+        if key in overridden:
+            continue
+        unset = next((v for v in expandable_vars(value) if v not in os.environ), None)
+        if unset is not None:
+            raise SiteError(f"site '{site.get('name')}': job_env.{key} '{value}' uses ${unset}, which is not set here; "
+                            f"set it or pass --set site.job_env.{key}=DIR")
+        out.append((key, expandable(value)))
+    return out
 
 
 def venv_path(site: dict, requirements: list[str]) -> str | None:
@@ -89,6 +106,7 @@ def render_script(p: ScriptParts) -> str:
 
     site, lay = p.site, p.layout
     env = sorted({**site.get("env", {}), **p.spec_env}.items()) + sorted(p.trainer_env.items())
+    expanded = job_env(site, {k for k, _ in env})
     jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, trim_blocks=False, autoescape=False)
     jenv.filters["q"] = q
@@ -102,7 +120,7 @@ def render_script(p: ScriptParts) -> str:
         modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv, venv_prebuilt=p.venv_prebuilt,
         requirements=p.requirements, venv_build_command=p.venv_build_command, error_file=ERROR_FILE,
         trainer_python=site.get("trainer_python"), python=site.get("python") or "python3",
-        requirements_file=str(lay.requirements), env=env, nothing_to_do=int(p.nothing_to_do),
+        requirements_file=str(lay.requirements), env=env, job_env=expanded, nothing_to_do=int(p.nothing_to_do),
         exit_continue=int(p.exit_continue),
         bootstrap=p.bootstrap, command=command_line(p.command), forward_usr1=p.forward_usr1,
     )

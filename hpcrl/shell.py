@@ -6,6 +6,7 @@ build shell text (trainers/verl.py) all quote through `q`.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 # The job's trainer interpreter, chosen at run time (venv or hpcrl's own): adapters put it in
@@ -24,6 +25,29 @@ def q(value) -> str:
         return str.__str__(value)
     value = str(value)
     return value if value == TRAINER_PY else shlex.quote(value)
+
+
+_VAR_RE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})")
+
+
+def expandable(value) -> str:
+    """A site profile's value whose $NAME and ${NAME} the job's shell expands, and nothing else
+    (no command substitution, globbing or word splitting): double-quoted, with every other
+    `$`, backquote, backslash and double quote escaped."""
+    value, out, pos = str(value), [], 0
+    for m in _VAR_RE.finditer(value):
+        out += [_dq_escape(value[pos:m.start()]), m.group(0)]
+        pos = m.end()
+    return '"' + "".join([*out, _dq_escape(value[pos:])]) + '"'
+
+
+def expandable_vars(value) -> list[str]:
+    """The variables `expandable(value)` leaves for the job's shell."""
+    return [m.group(0).strip("${}") for m in _VAR_RE.finditer(str(value))]
+
+
+def _dq_escape(text: str) -> str:
+    return re.sub(r'([$`"\\])', r"\\\1", text)
 
 
 def comment(value) -> str:

@@ -11,6 +11,7 @@ import os
 import re
 from pathlib import Path
 
+from . import siterules
 from .errors import SiteError, SpecError, did_you_mean, one_of
 from .names import NAME_RE  # the one rule for run and site names
 from .paths import site_configs_dir, user_sites_dir
@@ -64,6 +65,10 @@ SITE_DEFAULTS = {
     "trainer_python": None,
     # what the allocation is charged per node-hour used (`status` shows the charge); null: not said
     "charge_factor": None,
+    # site rules (hpcrl/siterules.py): a GPU job's account ends so (warned otherwise); variables
+    # whose values the job's shell expands ($SCRATCH there, not here)
+    "gpu_account_suffix": None,
+    "job_env": {},
 }
 # Keys a backend adds (Backend.site_keys: TPU's project, zone, bucket, ...) join these in
 # site_keys(); the backend owns their meaning and checks them in complete_site.
@@ -409,6 +414,7 @@ def resize(resolved: dict, sets: list[str] | None, nodes: int | None = None) -> 
             res[b] = None
     trainer = get_trainer(resolved["spec"]["trainer"])
     res = _validate_resources(res, resolved["site"], trainer)
+    siterules.reshare(resolved["site"], res, changes)  # a shared QOS: still a share, scaled again
     trainer.check_world(resolved["spec"]["args"], world_size(res))
     return None if res == old else res
 
@@ -476,6 +482,7 @@ def _validate_site(site: dict, hours: float) -> dict:
     site["modules"] = _str_list(site.get("modules"), f"site '{name}': modules")
     site["setup"] = _str_list(site.get("setup"), f"site '{name}': setup")
     site["env"] = validate_env(site.get("env"), f"site '{name}': env")
+    site["job_env"] = validate_env(site.get("job_env"), f"site '{name}': job_env")
     site["scheduler_flags"] = validate_scheduler_flags(site.get("scheduler_flags"), f"site '{name}': scheduler_flags")
     site["trainer_python"] = _trainer_python(site)
     return site
@@ -511,8 +518,10 @@ def validate_qos(site: dict, hours: float) -> None:
         raise SiteError(f"--qos {qos}: site '{name}' has no such QOS{did_you_mean(qos, table)}; use one of {one_of(table)}")
     limit = _number(_mapping(table[qos], f"qos_table.{qos}").get("max_hours"), f"site '{name}': qos_table.{qos}.max_hours", 0)
     if limit is not None and hours > limit + 1e-9:
-        better = sorted((q for q, v in table.items() if (v or {}).get("max_hours", 0) >= hours), key=str)
-        fix = f"; use --qos {better[0]}" if better else f"; use --hours {limit:g} or less"
+        from .siterules import qos_rules, suggest
+
+        better = suggest(qos_rules(site), hours, chained=False)
+        fix = f"; use --qos {better}" if better else f"; use --hours {limit:g} or less"
         raise SiteError(f"site '{name}': qos '{qos}' allows at most {limit:g} h, asked {hours:g} h{fix}")
 
 
@@ -571,6 +580,7 @@ def _finish(spec: dict, site: dict) -> dict:
     trainer = get_trainer(spec.get("trainer"))
     spec["name"] = validate_name(spec.get("name") or trainer.name, "name")
     spec["budget"] = _validate_budget(_mapping(spec["budget"], "budget"), site)
+    given = dict(_mapping(spec["resources"], "resources"))  # None: the site's default applies
     spec["resources"] = _validate_resources(_mapping(spec["resources"], "resources"), site, trainer)
     spec["env"] = validate_env(spec.get("env"), "env")
     spec["requirements"] = _str_list(spec.get("requirements"), "requirements")
@@ -578,6 +588,7 @@ def _finish(spec: dict, site: dict) -> dict:
     spec["args"] = trainer.validate_args(_mapping(spec.get("args"), "args"))
     trainer.check_world(spec["args"], world_size(spec["resources"]))
     site = _validate_site(site, spec["budget"]["hours"])
+    siterules.apply(spec, site, given)  # the QOS's own rules: chaining, interactive, shares, charge
     if site["trainer_python"] and spec["requirements"]:
         raise SpecError(f"requirements: {spec['requirements']!r} are not installed when site.trainer_python is set "
                         f"(hpcrl builds no venv then); install them into {site['trainer_python']}'s environment "

@@ -42,8 +42,12 @@ def test_init_writes_commented_spec_that_renders(home, tmp_path):
     assert text.startswith("#") and "trainer: smoke" in text
     r = hpcrl("init", "--recipe", "smoke", "--out", out, check=False)
     assert r.returncode == 2 and "--force" in r.stderr
+    # one segment on debug (NERSC forbids chaining there); the recipe's chain of 0.25 h segments on regular
     assert "#SBATCH --qos=debug" in hpcrl("render", out, "--site", "perlmutter", "--account", "m1_g", "--qos",
-                                          "debug", "--hours", "0.25", env={"SCRATCH": str(tmp_path)}).stdout
+                                          "debug", "--hours", "0.25", "--total-hours", "0.25",
+                                          env={"SCRATCH": str(tmp_path)}).stdout
+    assert "#SBATCH --qos=regular" in hpcrl("render", out, "--site", "perlmutter", "--account", "m1_g", "--qos",
+                                            "regular", env={"SCRATCH": str(tmp_path)}).stdout
     r = hpcrl("init", "--recipe", "smok", "--out", tmp_path / "x.yaml", check=False)
     assert r.returncode == 2 and "did you mean 'smoke'" in r.stderr
 

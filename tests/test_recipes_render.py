@@ -48,13 +48,18 @@ def test_verl_multinode_script_starts_ray_head_and_workers_through_srun(tmp_path
                          "--nodes", "2", PY)
     bash_n(text)
     assert "#SBATCH --nodes=2" in text
-    head = re.search(r'^srun --nodes=1 --ntasks=1 --overlap -w "\$hpcrl_head" \\\n(.*\n){2}', text, re.M)
+    head = re.search(r'^srun --nodes=1 --ntasks=1 --cpus-per-task="\$hpcrl_ray_cpus" --overlap -w "\$hpcrl_head" \\\n'
+                     r'(.*\n){2}', text, re.M)
     assert head and " start --head " in head.group(0) and "--port=6379" in head.group(0)
     assert head.group(0).rstrip().endswith("--block &")
     worker = re.search(r'^for hpcrl_node in "\$\{hpcrl_nodes\[@\]:1\}"; do\n'
-                       r'    srun --nodes=1 --ntasks=1 --overlap -w "\$hpcrl_node" \\\n(.*\n){2}', text, re.M)
+                       r'    srun --nodes=1 --ntasks=1 --cpus-per-task="\$hpcrl_ray_cpus" --overlap -w "\$hpcrl_node" \\\n'
+                       r'(.*\n){2}', text, re.M)
     assert worker and ' start --address "$RAY_ADDRESS" ' in worker.group(0)
-    assert 'hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" hostname --ip-address' in text
+    assert ('hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --overlap -w "$hpcrl_head" hostname '
+            '--ip-address') in text
+    # each Ray daemon gets the job's CPUs (srun no longer inherits -c since Slurm 22.05)
+    assert text.index("hpcrl_ray_cpus=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}") < text.index("hpcrl_head_ip=$(srun")
     assert 'export RAY_ADDRESS="$hpcrl_head_ip:"6379' in text
     assert "trap hpcrl_ray_stop EXIT" in text, "Ray must not outlive the segment"
     # Ray is up before the driver starts, and the driver is told the node count, not Ray's CPUs

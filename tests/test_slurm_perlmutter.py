@@ -94,20 +94,21 @@ def test_hours_above_the_qos_limit_refused_by_hpcrl_before_slurm_and_by_slurm(pm
     assert other.returncode != 0 and "Invalid account" in other.stderr, other.stderr
 
 
-def test_perlmutter_profile_smoke_chain_on_debug_completes_with_sacct_telling_the_truth(pm_site, pm_cluster):
+def test_perlmutter_profile_smoke_chain_on_regular_completes_with_sacct_telling_the_truth(pm_site, pm_cluster):
     from hpcrl.backends.base import JobState
     from hpcrl.backends.slurm import SlurmBackend
     from hpcrl.runs import Run
 
     pm_site.append("pm-chain")
     # ~40 s of work against a USR1 that comes at most 30 s into a 1-minute job: >= 2 segments.
-    hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "debug", "--hours", ONE_MIN,
+    # The chain test the README gives: short segments on regular (debug forbids chaining).
+    hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "regular", "--hours", ONE_MIN,
           "--trainer", "smoke", "--name", "pm-chain", "--set", "args.steps=100", "--set", "args.step_time_s=0.4",
           "--set", "args.save_every=1000")
     run = Run.by_id("pm-chain")
     script = run.layout.script.read_text()
     for line in ("--constraint=gpu", "--gpus-per-node=4", "--cpus-per-task=128",
-                 f"--account={pm_cluster.account}", "--qos=debug", "--time=1"):
+                 f"--account={pm_cluster.account}", "--qos=regular", "--time=1"):
         assert f"#SBATCH {line}\n" in script, (line, script)
     assert "module load python\n" in script
     assert str(run.dir).startswith(os.environ["SCRATCH"] + "/hpcrl/runs/"), run.dir
@@ -129,7 +130,7 @@ def test_perlmutter_profile_smoke_chain_on_debug_completes_with_sacct_telling_th
     jobs = {j["JobID"]: j for j in _sacct("--name", run.id, "-S", "now-1hour")}
     for seg in ran:
         job = jobs[seg["job_id"]]
-        assert (job["Account"], job["QOS"], job["State"], job["ExitCode"]) == (pm_cluster.account, "debug",
+        assert (job["Account"], job["QOS"], job["State"], job["ExitCode"]) == (pm_cluster.account, "regular",
                                                                                 "COMPLETED", "0:0"), job
         assert "gres/gpu=4" in job["AllocTRES"] and "cpu=128" in job["AllocTRES"], job
         assert job["Constraints"] == "gpu" and job["NodeList"] in pm_cluster.nodes, job
@@ -167,3 +168,50 @@ srun -w nid002 -N 1 -n 1 bash -c 'setsid sleep 300 </dev/null >/dev/null 2>&1 & 
     wait_until(lambda: not Path(f"/proc/{left}").exists(), 20, f"the Epilog to end the leftover process {left}")
     epilog_log = Path(pm_cluster.env["HPCRL_SLURM_DIR"]) / "log" / "epilog-nid002.log"
     assert f"job {job}: ended 1 leftover process(es): {left}" in epilog_log.read_text()
+
+
+def test_debug_run_is_one_job_that_queues_no_other(pm_site, pm_cluster):
+    """NERSC forbids job chaining on debug: a debug run is one segment, and its job submits no
+    batch job at all (not even a successor that would find nothing to do); a chain is refused."""
+    run, chain = f"pm-debug-{os.getpid()}", f"pm-debug-chain-{os.getpid()}"  # sacct remembers earlier runs' jobs
+    pm_site.extend([run, chain])
+    r = hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "debug", "--hours", ONE_MIN,
+              "--total-hours", "1", "--trainer", "smoke", "--name", chain, check=False)
+    assert r.returncode != 0 and "chaining" in r.stderr and "--qos regular" in r.stderr, r.stderr
+    assert not _sacct("--name", chain, "-S", "now-10minutes")
+    # more work than one 1-minute segment holds: the run stops after it, out of segments
+    hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "debug", "--hours", ONE_MIN,
+          "--total-hours", ONE_MIN, "--trainer", "smoke", "--name", run, "--set", "args.steps=300",
+          "--set", "args.step_time_s=0.4")
+    state = wait_for_run(run, timeout=240)
+    assert len(started(state)) == 1 and len(state["segments"]) == 1, state["segments"]
+    assert state["state"] != "COMPLETED", state  # stopped by its one-segment budget, resumable
+    jobs = _sacct("--name", run, "-S", "now-1hour")
+    assert len(jobs) == 1 and jobs[0]["QOS"] == "debug", jobs
+    # a resume runs one more segment, queued by the resume itself; never a chain
+    r = hpcrl("resume", run, "--max-segments", "5", check=False)
+    assert r.returncode != 0 and "chaining" in r.stderr and "--max-segments 2" in r.stderr, r.stderr
+    hpcrl("resume", run)
+    state = wait_for_run(run, timeout=240)
+    assert len(started(state)) == 2 and len(state["segments"]) == 2, state["segments"]
+    assert len(_sacct("--name", run, "-S", "now-1hour")) == 2
+
+
+def test_shared_qos_job_holds_its_share_of_the_node(pm_site, pm_cluster):
+    """--qos shared with one GPU: Slurm allocates a quarter of the node (32 CPUs, 64 GB), not 128 CPUs."""
+    name = f"pm-shared-{os.getpid()}"
+    pm_site.append(name)
+    hpcrl("submit", "--site", "pmci", "--account", pm_cluster.account, "--qos", "shared", "--hours", ONE_MIN,
+          "--trainer", "smoke", "--name", name, "--set", "resources.gpus_per_node=1", "--set", "args.steps=5",
+          "--set", "args.step_time_s=0.2")
+    state = wait_for_run(name, timeout=240)
+    assert state["state"] == "COMPLETED", state
+    job_id = started(state)[0]["job_id"]
+    jobs = wait_until(lambda: _sacct("-j", job_id), 60, f"sacct to know job {job_id}", poll=1)
+    assert jobs[0]["QOS"] == "shared", jobs
+    tres = jobs[0]["AllocTRES"]
+    assert "cpu=32," in tres and "gres/gpu=1" in tres, tres
+    # this cluster does not count memory as a consumable (no mem in AllocTRES): the request is the record
+    mem = subprocess.run(["sacct", "-X", "-P", "-n", "-j", job_id, "-o", "ReqMem"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert mem and mem[0] in ("64G", "64Gn", "65536M", "65536Mn"), mem

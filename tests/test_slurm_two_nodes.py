@@ -121,7 +121,8 @@ def ray2_site(home, pm_cluster, tmp_path):
     (standin / "verl" / "__init__.py").write_text("")
     (standin / "verl" / "trainer" / "__init__.py").write_text("")
     (standin / "verl" / "trainer" / "main_ppo.py").write_text(STANDIN_DRIVER)
-    site = {"extends": "testcluster", "gpus_per_node": 4, "constraint": "gpu",
+    # cpus_per_task as perlmutter's: every Ray srun step asks for all 128 (--overlap beside the batch shell)
+    site = {"extends": "testcluster", "gpus_per_node": 4, "constraint": "gpu", "cpus_per_task": 128,
             "setup": [f'export PYTHONPATH={shlex.quote(str(standin))}:"$PYTHONPATH"', f"export STANDIN_STEPS={STEPS}"]}
     (Path(os.environ["HPCRL_SITES_DIR"]) / "ray2.yaml").write_text(yaml.safe_dump(site))
     names: list[str] = []

@@ -101,7 +101,8 @@ def test_perlmutter_builtin_run_completes_with_the_venv_built_once_at_submit(log
     spec = tmp_path / "pmvenv.yaml"
     spec.write_text(yaml.safe_dump({"name": "pmvenv", "trainer": "builtin",
                                     "args": {**TINY, "total_steps": 598, "save_every": 1000}}))
-    r = hpcrl("submit", spec, "--site", "pmvenv", "--account", pm_cluster.account, "--qos", "debug",
+    # a chain of segments: on regular (NERSC forbids chaining on debug; hpcrl refuses it there)
+    r = hpcrl("submit", spec, "--site", "pmvenv", "--account", pm_cluster.account, "--qos", "regular",
               "--hours", "0.05", "--set", "resources.ranks_per_node=1", "--name", "pmvenv", timeout=400)
     venvs = software / "m1234" / "hpcrl" / "venvs"
     built = [p for p in venvs.iterdir() if p.is_dir()]

@@ -231,7 +231,8 @@ def test_multi_node_bootstrap_is_valid_bash_and_quotes_python(tmp_path):
 
 def test_bootstrap_starts_ray_through_srun_and_waits_for_all_nodes():
     script = ray_bootstrap("python3", nodes=3, gpus_per_node=4, port=6379)
-    assert script.count("srun --nodes=1 --ntasks=1 --overlap -w") == 3  # ip, head, each worker
+    assert script.count("srun --nodes=1 --ntasks=1 --cpus-per-task=") == 3  # ip, head, each worker
+    assert script.count('--cpus-per-task="$hpcrl_ray_cpus" --overlap -w') == 2  # the Ray daemons: the step's CPUs
     assert "start --head" in script and 'start --address "$RAY_ADDRESS"' in script
     assert "export RAY_ADDRESS=" in script
     # the workers start once Ray itself reports the head alive, and the driver once all 3 nodes

@@ -370,11 +370,12 @@ def rank_launch(resolved: dict) -> RankLaunch:
     from ..shell import Word
 
     res = resolved["spec"]["resources"]
-    prefix = ["srun", f"--nodes={int(res['nodes'])}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    if res.get("cpus_per_task"):
-        # since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: without it the one task
-        # per node (torchrun and all its ranks) would be bound to a single CPU
-        prefix.append(f"--cpus-per-task={int(res['cpus_per_task'])}")
+    # since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: without it the one task
+    # per node (torchrun and all its ranks) would be bound to a single CPU. A job that asked for
+    # no CPUs per task gets the node's CPUs of its allocation.
+    cpus = int(res["cpus_per_task"]) if res.get("cpus_per_task") else Word('"$SLURM_CPUS_ON_NODE"')
+    prefix = ["srun", f"--nodes={int(res['nodes'])}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+              Word(f"--cpus-per-task={cpus}")]
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", Word('"$hpcrl_rdzv_host:$hpcrl_rdzv_port"'),
                   "--rdzv-id", Word('"$HPCRL_JOB_ID"')]
     return RankLaunch(prelude=RANKS_PRELUDE, prefix=prefix, rendezvous=rendezvous)

@@ -242,7 +242,7 @@ class VerlTrainer(Trainer):
         if a["total_training_steps"] is not None:
             out["trainer.total_training_steps"] = a["total_training_steps"]
         if not _uses_ray_cluster(ctx):  # verl starts Ray itself: give it the CPUs Slurm granted
-            out["ray_kwargs.ray_init.num_cpus"] = int(ctx.site.get("cpus_per_task") or res.get("cpus_per_task") or 0) or None
+            out["ray_kwargs.ray_init.num_cpus"] = int(res.get("cpus_per_task") or ctx.site.get("cpus_per_task") or 0) or None
         return out
 
     # ------------------------------------------------------------ Ray on Slurm
@@ -427,9 +427,13 @@ def ray_bootstrap(python: str, nodes: int, gpus_per_node: int, port: int) -> str
 # --- Ray cluster over the allocation (hpcrl verl adapter) ---
 hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 hpcrl_head=${{hpcrl_nodes[0]}}
-hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" hostname --ip-address | awk '{{print $1}}')
+# Every srun names its CPUs: since Slurm 22.05 a step no longer inherits the job's --cpus-per-task,
+# and a Ray daemon bound to one core while told it has them all starves its workers. Ray is told
+# what its step holds: the job's CPUs per task, else the node's CPUs of the allocation (a step
+# asking for more than that is refused: "More processors requested than permitted").
+hpcrl_ray_cpus=${{SLURM_CPUS_PER_TASK:-${{SLURM_CPUS_ON_NODE:-$(nproc)}}}}
+hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --overlap -w "$hpcrl_head" hostname --ip-address | awk '{{print $1}}')
 export RAY_ADDRESS="$hpcrl_head_ip:"{q(str(port))}
-hpcrl_ray_cpus=${{SLURM_CPUS_PER_TASK:-$(nproc)}}
 hpcrl_ray_pids=()
 hpcrl_ray_wait() {{  # up to $1 s for the Ray sruns to end; true when they have
     for hpcrl_try in $(seq 1 "$1"); do
@@ -468,7 +472,7 @@ hpcrl_ray_failed() {{
     "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
     exit 1
 }}
-srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \\
+srun --nodes=1 --ntasks=1 --cpus-per-task="$hpcrl_ray_cpus" --overlap -w "$hpcrl_head" \\
     {ray} start --head --node-ip-address="$hpcrl_head_ip" --port={q(str(port))} \\
     --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} --disable-usage-stats --block &
 hpcrl_ray_pids+=($!)
@@ -477,7 +481,7 @@ hpcrl_alive=0
 # take longer than any guess, a quiet one far less)
 hpcrl_ray_join 1 300 || hpcrl_ray_failed "the Ray head did not come up within 5 minutes"
 for hpcrl_node in "${{hpcrl_nodes[@]:1}}"; do
-    srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \\
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$hpcrl_ray_cpus" --overlap -w "$hpcrl_node" \\
         {ray} start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus {q(str(gpus_per_node))} \\
         --disable-usage-stats --block &
     hpcrl_ray_pids+=($!)

@@ -56,6 +56,12 @@ module load python
 # Environment (spec and site; secrets are never written here: they come from the submitting
 # shell's environment)
 export OMP_NUM_THREADS=8
+# The site's job_env: expanded here, in the job (caches on the job's own $SCRATCH)
+export HF_HOME="$SCRATCH/hpcrl/cache/huggingface"
+export PIP_CACHE_DIR="$SCRATCH/hpcrl/cache/pip"
+export TRITON_CACHE_DIR="$SCRATCH/hpcrl/cache/triton"
+export VLLM_CACHE_ROOT="$SCRATCH/hpcrl/cache/vllm"
+export XDG_CACHE_HOME="$SCRATCH/hpcrl/cache"
 
 trainer_py="$hpcrl_py"
 

@@ -60,6 +60,12 @@ module load python
 export OMP_NUM_THREADS=8
 export VLLM_ATTENTION_BACKEND=XFORMERS
 export PYTHONUNBUFFERED=1
+# The site's job_env: expanded here, in the job (caches on the job's own $SCRATCH)
+export HF_HOME="$SCRATCH/hpcrl/cache/huggingface"
+export PIP_CACHE_DIR="$SCRATCH/hpcrl/cache/pip"
+export TRITON_CACHE_DIR="$SCRATCH/hpcrl/cache/triton"
+export VLLM_CACHE_ROOT="$SCRATCH/hpcrl/cache/vllm"
+export XDG_CACHE_HOME="$SCRATCH/hpcrl/cache"
 
 
 # The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where

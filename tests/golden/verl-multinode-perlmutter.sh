@@ -60,6 +60,12 @@ module load python
 export OMP_NUM_THREADS=8
 export VLLM_ATTENTION_BACKEND=XFORMERS
 export PYTHONUNBUFFERED=1
+# The site's job_env: expanded here, in the job (caches on the job's own $SCRATCH)
+export HF_HOME="$SCRATCH/hpcrl/cache/huggingface"
+export PIP_CACHE_DIR="$SCRATCH/hpcrl/cache/pip"
+export TRITON_CACHE_DIR="$SCRATCH/hpcrl/cache/triton"
+export VLLM_CACHE_ROOT="$SCRATCH/hpcrl/cache/vllm"
+export XDG_CACHE_HOME="$SCRATCH/hpcrl/cache"
 
 
 # The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
@@ -99,9 +105,13 @@ fi
 # --- Ray cluster over the allocation (hpcrl verl adapter) ---
 hpcrl_nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 hpcrl_head=${hpcrl_nodes[0]}
-hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" hostname --ip-address | awk '{print $1}')
+# Every srun names its CPUs: since Slurm 22.05 a step no longer inherits the job's --cpus-per-task,
+# and a Ray daemon bound to one core while told it has them all starves its workers. Ray is told
+# what its step holds: the job's CPUs per task, else the node's CPUs of the allocation (a step
+# asking for more than that is refused: "More processors requested than permitted").
+hpcrl_ray_cpus=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}
+hpcrl_head_ip=$(srun --nodes=1 --ntasks=1 --cpus-per-task=1 --overlap -w "$hpcrl_head" hostname --ip-address | awk '{print $1}')
 export RAY_ADDRESS="$hpcrl_head_ip:"6379
-hpcrl_ray_cpus=${SLURM_CPUS_PER_TASK:-$(nproc)}
 hpcrl_ray_pids=()
 hpcrl_ray_wait() {  # up to $1 s for the Ray sruns to end; true when they have
     for hpcrl_try in $(seq 1 "$1"); do
@@ -140,7 +150,7 @@ hpcrl_ray_failed() {
     "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
     exit 1
 }
-srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_head" \
+srun --nodes=1 --ntasks=1 --cpus-per-task="$hpcrl_ray_cpus" --overlap -w "$hpcrl_head" \
     bash -c 'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi; exec env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$@"' ray "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --head --node-ip-address="$hpcrl_head_ip" --port=6379 \
     --num-cpus "$hpcrl_ray_cpus" --num-gpus 4 --disable-usage-stats --block &
 hpcrl_ray_pids+=($!)
@@ -149,7 +159,7 @@ hpcrl_alive=0
 # take longer than any guess, a quiet one far less)
 hpcrl_ray_join 1 300 || hpcrl_ray_failed "the Ray head did not come up within 5 minutes"
 for hpcrl_node in "${hpcrl_nodes[@]:1}"; do
-    srun --nodes=1 --ntasks=1 --overlap -w "$hpcrl_node" \
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$hpcrl_ray_cpus" --overlap -w "$hpcrl_node" \
         bash -c 'if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then unset ROCR_VISIBLE_DEVICES; fi; exec env RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 "$@"' ray "$trainer_py" -c 'import sys; from ray.scripts.scripts import main; sys.argv[0] = "ray"; main()' start --address "$RAY_ADDRESS" --num-cpus "$hpcrl_ray_cpus" --num-gpus 4 \
         --disable-usage-stats --block &
     hpcrl_ray_pids+=($!)
