@@ -448,12 +448,27 @@ def _sweep(marker: str) -> int:
     return killed
 
 
+_MAX_VALUES = 200_000  # JSON values one sample's claim may hold (each a Python object here)
+_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _too_many_values(body: bytes) -> bool:
+    """True if the document holds more than _MAX_VALUES values: 8 MiB of `[],` is 2.8 million
+    lists (~400 MB, seconds of this process's CPU) that json.loads would build. Every value after
+    the first follows a `[`, `{`, `,` or `:`; those inside strings do not count."""
+    def count(b):
+        return sum(b.count(c) for c in (b"[", b"{", b",", b":"))
+    return count(body) > _MAX_VALUES and count(_STRING_RE.sub(b'""', body)) > _MAX_VALUES
+
+
 def _doc(out: bytes, marker: str):
     """The sandbox's JSON document after its marker, or a reason string (timeout, crash, output_limit)."""
     for line in out.split(b"\n"):
         head, _, body = line.partition(b" ")
         if head != marker.encode():
             continue
+        if _too_many_values(body):
+            return "output_limit"
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError, MemoryError):
@@ -466,7 +481,15 @@ def _doc(out: bytes, marker: str):
 
 def _judge(out: bytes, marker: str, tests: list, plans: list, timed_out: bool, seconds: float) -> Result:
     """The Result, from the values the sandbox sent (or its silence). Everything in `out` came
-    from the program's side and is only data: values and outputs, compared here."""
+    from the program's side and is only data: values and outputs, compared here. Nothing in it
+    can raise out of here: the trainer only ever sees a score (issue 28, caller crashes)."""
+    try:
+        return _judge_doc(out, marker, tests, plans, timed_out, seconds)
+    except Exception as e:  # a claim this judge failed to read scores 0, never stops the caller
+        return Result(0.0, 0, len(tests), "not_data", seconds, f"unreadable claim: {type(e).__name__}"[:200])
+
+
+def _judge_doc(out: bytes, marker: str, tests: list, plans: list, timed_out: bool, seconds: float) -> Result:
     total = len(tests)
     inside = sum(1 for p in plans if p is not None and p.inside)
     doc = "timeout" if timed_out else _doc(out, marker)
@@ -530,7 +553,7 @@ def evaluate(code: str, exprs: list, limits: Limits = Limits(), level: str | Non
                 results.append((False, str(error[-1] if isinstance(error, list) and error else error)[:200]))
             else:
                 results.append((True, decode(entry["values"][0])))
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, UnicodeError):
+        except Exception:  # any claim it cannot read (an overflowing complex, ...) is not data
             results.append((False, "not_data"))
     return results
 
@@ -734,7 +757,7 @@ def _check(check: _Check, raw) -> tuple[bool, str]:
     """(passed, reason if not) of one comparison, made here on decoded values."""
     try:
         value = decode(raw)
-    except (ValueError, TypeError, UnicodeError, RecursionError):
+    except Exception:  # ValueError, OverflowError (complex of a huge int), MemoryError, ...
         return False, "not_data"
     try:
         if check.op == "truth":
@@ -743,7 +766,7 @@ def _check(check: _Check, raw) -> tuple[bool, str]:
             return not value, "wrong_answer"
         left, right = (value, check.expected) if check.call_left else (check.expected, value)
         return bool(_OP_BY_NAME[check.op](left, right)), "wrong_answer"
-    except (TypeError, ValueError, RecursionError):  # e.g. `<` between a str and an int
+    except Exception:  # e.g. `<` between a str and an int
         return False, "wrong_answer"
 
 
@@ -761,9 +784,20 @@ def run_batch(items: list, limits: Limits = Limits(), workers: int = 0, dedupe: 
     workers = workers or workers_per_rank()
     level = isolation()
     with ThreadPoolExecutor(max_workers=min(workers, max(1, len(todo)))) as pool:
-        futures = {k: pool.submit(run_tests, c, t, limits, level) for k, (c, t) in todo.items()}
+        futures = {k: pool.submit(_run_tests_safe, c, t, limits, level) for k, (c, t) in todo.items()}
         done = {k: f.result() for k, f in futures.items()}
     return [done[k] for k in keys] if dedupe else [done[i] for i in range(len(items))]
+
+
+def _run_tests_safe(code, tests, limits, level) -> Result:
+    """run_tests that cannot lose a batch: an error scoring one sample scores it 0 with a reason."""
+    try:
+        return run_tests(code, tests, limits, level)
+    except ValueError as e:  # a malformed test of the row (_norm_test)
+        return Result(0.0, 0, len(tests) if isinstance(tests, list) else 0, "bad_tests", 0.0, str(e)[:200])
+    except Exception as e:
+        return Result(0.0, 0, len(tests) if isinstance(tests, list) else 0, "crash", 0.0,
+                      f"{type(e).__name__}: {e}"[:200])
 
 
 # ------------------------------------------------------------------ the harness (runs as pid 1)
