@@ -51,7 +51,7 @@ def test_a_hostile_claim_scores_zero_and_the_batch_keeps_its_sibling(body):
 
 def test_the_judge_reads_a_claim_within_a_memory_bound():
     # the trainer's own allocations while it reads the largest claim a sample may send
-    plan = sandbox._plan(TESTS[0], {})
+    plan = sandbox._plan(TESTS[0], {"f"})
     tracemalloc.start()
     try:
         res = sandbox._judge(b"ab12 " + eval(NESTED), "ab12", TESTS, [plan], False, 0.0)
