@@ -795,21 +795,74 @@ def enter_namespaces(out):
     mount("none", "/", None, 16384 | 262144, None)  # MS_REC | MS_PRIVATE: nothing leaks back out
     mount("proc", "/proc", "proc", 2 | 4 | 8, None)  # this namespace's processes only
 
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217, "riscv64": 41}
+
 def private_mounts(p, lim):
-    for d in ("/tmp", "/var/tmp", "/dev/shm"):
-        if isdir(d):
-            mount("tmpfs", d, "tmpfs", 2 | 4, "size=%dm,mode=1777" % lim["tmp_mb"])
-    if p["drop"]:  # nobody may not traverse the interpreter's home (e.g. /root/.pyenv): bind it read-only
-        prefix, view = p["prefix"], "/tmp/.python"
-        os.mkdir(view, 0o755)
-        mount(prefix, view, None, 4096 | 16384, None)
-        mount(None, view, None, 4096 | 32 | 1 | 16384, None)
-        sys.path[:] = [view + s[len(prefix):] if s.startswith(prefix) else s for s in sys.path]
+    # The sample's whole file system (issue 28, files): a small tmpfs root holding the interpreter's
+    # prefix and /usr read-only (stdlib, libraries, /usr/bin), a few device nodes, its own /proc,
+    # a scratch /tmp (tmpfs); then pivot_root into it and detach the old root. Nothing of the
+    # checkout, data, run dir, $HOME or /run is in the view, and nothing it writes is on disk.
+    root = "/tmp"
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for d in ("usr", "dev", "proc", "tmp", "etc"):
+        os.mkdir(root + "/" + d, 0o755)
+    bind_ro("/usr", root + "/usr")
+    for d in ("/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32"):
+        try:
+            os.symlink(os.readlink(d), root + d)  # usr-merged: bin -> usr/bin
+        except OSError:
+            if isdir(d):
+                os.mkdir(root + d, 0o755)
+                bind_ro(d, root + d)
+    prefix = p["prefix"]
+    if not (prefix + "/").startswith("/usr/"):  # e.g. /root/.pyenv/versions/3.11.7 (dirs made here: 0755)
+        makedirs(root + prefix)
+        bind_ro(prefix, root + prefix)
+    site = "%s/lib/python%d.%d/site-packages" % (prefix, sys.version_info[0], sys.version_info[1])
+    if isdir(root + site):  # the interpreter's packages are not the standard library
+        mount("tmpfs", root + site, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+    for n in ("null", "zero", "full", "random", "urandom"):
+        os.close(os.open(root + "/dev/" + n, os.O_CREAT | os.O_WRONLY, 0o666))
+        mount("/dev/" + n, root + "/dev/" + n, None, MS_BIND, None)
+    for n, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                      ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + n)
+    os.mkdir(root + "/dev/shm", 0o755)
+    scratch = "size=%dm,mode=1777" % lim["tmp_mb"]
+    mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, scratch)
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, scratch)
+    try:  # this pid namespace's processes only
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    except OSError:
+        mount("/proc", root + "/proc", None, MS_BIND | MS_REC, None)
+    os.chdir(root)
+    try:
+        libc("syscall")(PIVOT_ROOT[os.uname().machine], b".", b".", what="pivot_root")
+        libc("umount2")(b".", 2, what="umount old root")  # MNT_DETACH: the old root, stacked under
+    except (OSError, KeyError):
+        libc("chroot")(b".", what="chroot")  # the worker drops every capability: it cannot leave
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
     work = "/tmp/work"
     os.mkdir(work, 0o700)
     if p["drop"]:
         os.chown(work, 65534, 65534)
     p["work"] = work
+
+def makedirs(path):
+    part = ""
+    for name in path.strip("/").split("/"):
+        part += "/" + name
+        if not isdir(part):
+            os.mkdir(part, 0o755)
+
+def bind_ro(src, dst):
+    mount(src, dst, None, MS_BIND | MS_REC, None)
+    # a bind is read-only only after a remount; in a user namespace the mount's own nosuid, nodev,
+    # noexec are locked and must be kept (statvfs's ST_ flags have the MS_ values for these)
+    keep = os.statvfs(dst).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
 
 def worker(p, lim, w):
     import io, resource
@@ -989,7 +1042,7 @@ def serve(fd):
     # No PDEATHSIG here: it fires when the *thread* that started the server exits (a run_batch
     # pool thread), not the trainer. The server leaves on EOF of its socket instead, which
     # comes when the trainer is gone (its end is close-on-exec, never inherited by its spawns).
-    for name in ("prctl", "unshare", "mount"):
+    for name in ("prctl", "unshare", "mount", "syscall", "umount2", "chroot"):
         libc(name)
     me = os.getpid()
     sock = socket.socket(fileno=fd)
