@@ -173,7 +173,8 @@ def test_files_ship_launcher_and_reward(tmp_path):
     _, ctx = ctx_for(base_args(), run_dir=tmp_path)
     files = VerlTrainer().files(ctx)
     # the code reward imports the sandbox, and the sandbox its judge and cpus, each from beside itself
-    assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py", "verl/judge.py", "verl/cpus.py"}
+    assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py", "verl/judge.py", "verl/cpus.py",
+                          "verl/cgroups.py"}
     assert "def compute_score(" in files["verl/rewards.py"]
 
 

@@ -90,6 +90,7 @@ def _sibling(module: str):
 
 
 _judge_mod = _sibling("judge")
+_cgroups = _sibling("cgroups")
 
 NOBODY = 65534
 _FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.S | re.I)
@@ -268,6 +269,16 @@ def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python:
     payload = {"code": code, "tests": sent, "nonce": marker, "cap": _RESULT_CAP,
                "limits": asdict(limits), "ns": level != "plain", "drop": level == "namespaces", "unshare": level == "namespaces",
                "work": work, "prefix": sys.base_prefix}
+    # the whole tree: the worker and its children, and the harness (~30 MB, 3 processes) above them
+    groups = payload["cgroups"] = (_cgroups.make(limits.memory_mb + 32, limits.processes + 3)
+                                   if level == "namespaces" else [])
+    try:
+        return _exchange_in(payload, marker, work, limits, level, python, t0, server)
+    finally:
+        _cgroups.remove(groups)
+
+
+def _exchange_in(payload, marker, work, limits, level, python, t0, server) -> tuple[bytes, str, bool]:
     if server and level == "namespaces" and os.path.realpath(python) == os.path.realpath(sys.executable):
         res = _SERVER.run(payload, t0 + limits.timeout_s)
         if res is not None:
@@ -717,7 +728,7 @@ def main(src=None, out=None):
     os.close(nul)  # the worker holds 0-2 (/dev/null) and its result pipe, nothing else
     lim = p["limits"]
     if p["unshare"]:
-        enter_namespaces(out)
+        enter_namespaces(out, p)
     if p["ns"]:
         private_mounts(p, lim)
     r, w = os.pipe()
@@ -778,13 +789,20 @@ def _make_libc(name):
 def mount(src, dst, kind, flags, data):
     libc("mount")(src and src.encode(), dst.encode(), kind and kind.encode(), flags, data and data.encode(), what="mount " + dst)
 
-def enter_namespaces(out):
+def enter_namespaces(out, p):
     # what `unshare --mount --net --pid --fork --kill-child --mount-proc --ipc --uts` did, without
     # exec'ing it first (~1.5 ms a sample): new mount, network, pid, ipc and uts namespaces, then a
     # fork, as only a child enters the new pid namespace. This process stays outside and waits;
     # the child (pid 1 inside) returns and runs the sample. Both are in the trainer's process
     # group for the sample, which kills them together; pid 1 also dies with this process
     # (PDEATHSIG), and the kernel kills everything in the namespace when pid 1 dies.
+    for procs in p.get("cgroups", ()):  # the sample's memory and process limits, for its whole tree
+        fd = os.open(procs, os.O_WRONLY)
+        os.write(fd, b"%d" % os.getpid())
+        os.close(fd)
+    # a uid of its own (issue 28, neighbours): RLIMIT_NPROC counts per uid, and this host pid is
+    # unique while the sample lives (this process waits for it), so no two samples share one
+    p["uid"] = UID_BASE + os.getpid()
     libc("unshare")(0x00020000 | 0x40000000 | 0x20000000 | 0x08000000 | 0x04000000)
     pid = os.fork()
     if pid:
@@ -795,6 +813,7 @@ def enter_namespaces(out):
     mount("none", "/", None, 16384 | 262144, None)  # MS_REC | MS_PRIVATE: nothing leaks back out
     mount("proc", "/proc", "proc", 2 | 4 | 8, None)  # this namespace's processes only
 
+UID_BASE = 1 << 30  # + the sample's host pid (<= 4194304): far above any real user's uid
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217, "riscv64": 41}
 
@@ -847,7 +866,7 @@ def private_mounts(p, lim):
     work = "/tmp/work"
     os.mkdir(work, 0o700)
     if p["drop"]:
-        os.chown(work, 65534, 65534)
+        os.chown(work, p["uid"], p["uid"])
     p["work"] = work
 
 def makedirs(path):
@@ -869,8 +888,8 @@ def worker(p, lim, w):
     os.setsid()
     if p["drop"]:
         os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
+        os.setgid(p["uid"])
+        os.setuid(p["uid"])
     mb = 1024 * 1024
     for name, value in (("RLIMIT_CPU", lim["cpu_s"]), ("RLIMIT_AS", lim["memory_mb"] * mb),
                         ("RLIMIT_FSIZE", lim["file_mb"] * mb), ("RLIMIT_NOFILE", lim["open_files"]),

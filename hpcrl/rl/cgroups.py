@@ -1,0 +1,118 @@
+"""A cgroup per sample, where this process may make one (issue 28, neighbours): the sample's whole
+process tree shares one memory limit and one process limit, so a sample cannot hold memory across
+its children or starve a neighbour's fork. Stdlib only, no relative imports (verl loads it by path
+beside sandbox.py).
+
+cgroup v2 (a writable cgroup of ours whose subtree has memory and pids) or v1 (the memory and pids
+hierarchies, each at this process's own group). Root here and in CI; Perlmutter users normally
+cannot write either, and samples then have per-process limits only (the level says so)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import time
+
+ROOT = "/sys/fs/cgroup"
+
+
+def _own(controller: str) -> str | None:
+    """This process's group in a v1 hierarchy ("" for v2's unified line), from /proc/self/cgroup."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, names, path = line.rstrip("\n").split(":", 2)
+                if controller in names.split(","):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def parents() -> tuple:
+    """((kind, directory), ...): where a sample's groups go, or () when none can be made here."""
+    v2 = os.path.join(ROOT, "cgroup.controllers")
+    if os.path.isfile(v2):
+        base = os.path.join(ROOT, (_own("") or "/").lstrip("/"))
+        try:
+            with open(os.path.join(base, "cgroup.subtree_control")) as f:
+                enabled = f.read().split()
+        except OSError:
+            enabled = []
+        if {"memory", "pids"} <= set(enabled) and _writable(base):
+            return (("v2", base),)
+        return ()
+    found = []
+    for ctl in ("memory", "pids"):
+        own = _own(ctl)
+        base = os.path.join(ROOT, ctl, (own or "/").lstrip("/"))
+        if own is None or not _writable(base):
+            return ()
+        found.append((ctl, base))
+    return tuple(found)
+
+
+def _writable(base: str) -> bool:
+    probe = os.path.join(base, f"hpcrl-probe-{os.getpid()}-{secrets.token_hex(3)}")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    os.rmdir(probe)
+    return True
+
+
+def make(memory_mb: int, processes: int) -> list:
+    """The cgroup.procs files a sample's first process writes its pid to; [] where there are none."""
+    name = f"hpcrl-sample-{os.getpid()}-{secrets.token_hex(4)}"
+    made, procs = [], []
+    try:
+        for kind, base in parents():
+            d = os.path.join(base, name)
+            os.mkdir(d)
+            made.append(d)
+            limits = {"v2": {"memory.max": memory_mb << 20, "memory.swap.max": 0, "pids.max": processes},
+                      "memory": {"memory.limit_in_bytes": memory_mb << 20},
+                      "pids": {"pids.max": processes}}[kind]
+            for key, value in limits.items():
+                try:
+                    with open(os.path.join(d, key), "w") as f:
+                        f.write(str(value))
+                except OSError:
+                    if key != "memory.swap.max":  # absent without swap accounting
+                        raise
+            procs.append(os.path.join(d, "cgroup.procs"))
+    except OSError:
+        remove(made)
+        return []
+    return procs
+
+
+def remove(procs: list) -> None:
+    """rmdir each sample group once its processes are gone (the pid namespace's end is asynchronous)."""
+    for p in procs:
+        d = os.path.dirname(p) if p.endswith("cgroup.procs") else p
+        for _ in range(50):
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                _kill_in(d)
+                time.sleep(0.01)
+
+
+def _kill_in(d: str) -> None:
+    try:
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            pids = [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
