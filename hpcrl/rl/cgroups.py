@@ -9,9 +9,11 @@ cannot write either, and samples then have per-process limits only (the level sa
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import secrets
+import threading
 import time
 
 ROOT = "/sys/fs/cgroup"
@@ -66,6 +68,13 @@ def _writable(base: str) -> bool:
 
 def make(memory_mb: int, processes: int) -> list:
     """The cgroup.procs files a sample's first process writes its pid to; [] where there are none."""
+    global _SWEPT
+    if not _SWEPT:
+        _SWEPT = True
+        with _LOCK:
+            _PENDING.extend(_orphans())
+    if _PENDING:
+        sweep()
     name = f"hpcrl-sample-{os.getpid()}-{secrets.token_hex(4)}"
     made, procs = [], []
     try:
@@ -85,24 +94,76 @@ def make(memory_mb: int, processes: int) -> list:
                         raise
             procs.append(os.path.join(d, "cgroup.procs"))
     except OSError:
-        remove(made)
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
         return []
     return procs
 
 
+_SWEPT = False       # orphans of dead trainers removed once per process
+_PENDING: list = []  # sample groups whose processes were still dying when their sample ended
+_LOCK = threading.Lock()
+
+
 def remove(procs: list) -> None:
-    """rmdir each sample group once its processes are gone (the pid namespace's end is asynchronous)."""
+    """rmdir each sample group; one whose processes are still going (the end of a pid namespace
+    is asynchronous) is killed and left for the next call or exit, never waited on here."""
+    left = []
     for p in procs:
-        d = os.path.dirname(p) if p.endswith("cgroup.procs") else p
-        for _ in range(50):
+        d = os.path.dirname(p)
+        try:
+            os.rmdir(d)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            _kill_in(d)
+            left.append(d)
+    with _LOCK:
+        _PENDING.extend(left)
+
+
+def _orphans() -> list:
+    """Sample groups of trainer processes that are gone (killed before their exit's sweep)."""
+    found = []
+    for _, base in parents():
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            parts = name.split("-")
+            if len(parts) == 4 and parts[:2] == ["hpcrl", "sample"] and parts[2].isdigit() \
+                    and not os.path.exists(f"/proc/{parts[2]}"):
+                found.append(os.path.join(base, name))
+    return found
+
+
+def sweep(wait: float = 0.0) -> None:
+    """Remove the groups left behind, retrying for up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        with _LOCK:
+            todo, _PENDING[:] = list(_PENDING), []
+        left = []
+        for d in todo:
             try:
                 os.rmdir(d)
-                break
             except FileNotFoundError:
-                break
+                pass
             except OSError:
                 _kill_in(d)
-                time.sleep(0.01)
+                left.append(d)
+        with _LOCK:
+            _PENDING.extend(left)
+        if not left or time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+
+
+atexit.register(sweep, 2.0)
 
 
 def _kill_in(d: str) -> None:

@@ -811,7 +811,7 @@ def enter_namespaces(out, p):
         os._exit(0)
     libc("prctl")(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     mount("none", "/", None, 16384 | 262144, None)  # MS_REC | MS_PRIVATE: nothing leaks back out
-    mount("proc", "/proc", "proc", 2 | 4 | 8, None)  # this namespace's processes only
+    # (its /proc is mounted in the sample's own root: private_mounts)
 
 UID_BASE = 1 << 30  # + the sample's host pid (<= 4194304): far above any real user's uid
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
@@ -841,7 +841,7 @@ def private_mounts(p, lim):
     site = "%s/lib/python%d.%d/site-packages" % (prefix, sys.version_info[0], sys.version_info[1])
     if isdir(root + site):  # the interpreter's packages are not the standard library
         mount("tmpfs", root + site, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
-    for n in ("null", "zero", "full", "random", "urandom"):
+    for n in ("null", "zero", "urandom"):
         os.close(os.open(root + "/dev/" + n, os.O_CREAT | os.O_WRONLY, 0o666))
         mount("/dev/" + n, root + "/dev/" + n, None, MS_BIND, None)
     for n, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
