@@ -148,16 +148,43 @@ def has_fenced_block(solution_str: str) -> bool:
 
 # ------------------------------------------------------------------ isolation
 
-@functools.lru_cache(maxsize=None)
+_LEVELS = {
+    "namespaces": "own root (interpreter and /usr read-only, scratch tmpfs), no network, own pid/ipc/uts, "
+                  "a uid of its own, cgroup limits where one can be made",
+    "userns": "own root, no network, own pid/ipc/uts, your uid mapped (no uid of its own, no cgroup)",
+    "plain": "NO isolation: it reads your files and environment and reaches the network",
+}
+
+
 def isolation(python: str = sys.executable) -> str:
     """'namespaces', 'userns' or 'plain': the strongest this host allows (probed once, by
-    scoring a trivial program through that level's own path)."""
+    scoring a trivial program through that level's own path), said once on stderr. As root,
+    userns is never used: it maps the sample to uid 0 with every capability (root without
+    CAP_SYS_ADMIN, as in many containers): plain then drops to a uid of its own instead."""
+    level = _probe(os.path.realpath(python))
+    if level not in _SAID:
+        _SAID.add(level)
+        allowed = "" if level != "plain" or plain_allowed() else \
+            " - refused: every sample scores 0 (reason 'refused'); set HPCRL_SANDBOX_PLAIN=1 to allow it"
+        sys.stderr.write(f"hpcrl sandbox: isolation level {level} ({_LEVELS[level]}){allowed}\n")
+    return level
+
+
+_SAID: set = set()
+
+
+def plain_allowed() -> bool:
+    return os.environ.get("HPCRL_SANDBOX_PLAIN", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(python: str) -> str:
     if not sys.platform.startswith("linux"):
         return "plain"
     for name in ("namespaces", "userns"):
         if name == "namespaces" and os.geteuid() != 0:
             continue
-        if name == "userns" and shutil.which("unshare") is None:
+        if name == "userns" and (shutil.which("unshare") is None or os.geteuid() == 0):
             continue
         try:
             probe = _run("def f():\n    return 1", ["assert f() == 1"], Limits(timeout_s=20), name, python,
@@ -219,6 +246,9 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
         return Result(0.0, 0, len(tests), "syntax_error", time.monotonic() - t0, f"{type(e).__name__}: {e}"[:200])
     level = level or isolation(python)
+    if level == "plain" and not plain_allowed():
+        return Result(0.0, 0, len(tests), "refused", time.monotonic() - t0,
+                      "isolation level plain hides nothing from the program: set HPCRL_SANDBOX_PLAIN=1 to allow it")
     names = _judge_mod.program_names(code)
     plans = [_plan(t, names) if isinstance(t, str) else None for t in tests]
     exprs = [e for p in plans if p is not None for e in p.clean]
@@ -267,7 +297,7 @@ def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python:
     marker = secrets.token_hex(8)
     work = None if level != "plain" else tempfile.mkdtemp(prefix="hpcrl-sandbox-")
     payload = {"code": code, "tests": sent, "nonce": marker, "cap": _RESULT_CAP,
-               "limits": asdict(limits), "ns": level != "plain", "drop": level == "namespaces", "unshare": level == "namespaces",
+               "limits": asdict(limits), "ns": level != "plain", "drop": level != "userns" and os.geteuid() == 0, "unshare": level == "namespaces",
                "work": work, "prefix": sys.base_prefix}
     # the whole tree: the worker and its children, and the harness (~30 MB, 3 processes) above them
     groups = payload["cgroups"] = (_cgroups.make(limits.memory_mb + 32, limits.processes + 3)
@@ -727,6 +757,7 @@ def main(src=None, out=None):
         os.dup2(nul, fd)
     os.close(nul)  # the worker holds 0-2 (/dev/null) and its result pipe, nothing else
     lim = p["limits"]
+    p["uid"] = UID_BASE + os.getpid()  # plain as root: a uid of its own too (namespaces: set below)
     if p["unshare"]:
         enter_namespaces(out, p)
     if p["ns"]:
@@ -887,6 +918,8 @@ def worker(p, lim, w):
     import io, resource
     os.setsid()
     if p["drop"]:
+        if not p["ns"]:  # plain as root: the trainer's temp dir becomes the sample's
+            os.chown(p["work"], p["uid"], p["uid"])
         os.setgroups([])
         os.setgid(p["uid"])
         os.setuid(p["uid"])

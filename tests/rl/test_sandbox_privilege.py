@@ -1,0 +1,61 @@
+"""Issue 28, class "privilege": a sample never runs with more privilege than the caller would
+give it. Root without CAP_SYS_ADMIN (many containers) cannot make the namespaces level; the
+userns level there mapped the sample to uid 0 with every capability, able to write root's files
+and the trainer's own code. The level in use is said once per process."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                               reason="needs root and util-linux setpriv to drop CAP_SYS_ADMIN")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _as_root_without_sys_admin(script: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin",
+                           sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+@ROOT_ONLY
+def test_root_without_cap_sys_admin_never_runs_a_sample_as_root(tmp_path):
+    tmp_path.chmod(0o755)
+    target = tmp_path / "trainer-owned.py"
+    target.write_text("# the trainer's code\n")
+    target.chmod(0o644)
+    code = ("import os\n"
+            "def f():\n"
+            "    try:\n"
+            f"        open({str(target)!r}, 'a').write('pwned')\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "    return [os.getuid(), os.geteuid()]\n")
+    script = ("import sys\nfrom hpcrl.rl import sandbox\n"
+              "level = sandbox.isolation()\n"
+              f"got = sandbox.evaluate({code!r}, ['f()'], level=level)\n"
+              "print(level, got)\n")
+    out = _as_root_without_sys_admin(script, {"HPCRL_SANDBOX_PLAIN": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    level, _, got = out.stdout.strip().partition(" ")
+    assert level != "userns", out.stdout
+    assert "pwned" not in target.read_text(), out.stdout
+    assert "[0," not in got and "(True" in got, out.stdout
+
+
+@ROOT_ONLY
+def test_plain_refuses_unless_allowed_and_the_level_is_said_once():
+    script = ("from hpcrl.rl import sandbox\n"
+              "r = sandbox.run_tests('def f(): return 1', ['assert f() == 1'])\n"
+              "sandbox.run_tests('def f(): return 1', ['assert f() == 1'])\n"
+              "print(sandbox.isolation(), r.score, r.reason)\n")
+    out = _as_root_without_sys_admin(script, {"HPCRL_SANDBOX_PLAIN": "0"})
+    assert out.stdout.split() == ["plain", "0.0", "refused"], (out.stdout, out.stderr[-2000:])
+    assert out.stderr.count("hpcrl sandbox: isolation level") == 1, out.stderr
+    assert "HPCRL_SANDBOX_PLAIN=1" in out.stderr  # says how to allow it
+    allowed = _as_root_without_sys_admin(script, {"HPCRL_SANDBOX_PLAIN": "1"})
+    assert allowed.stdout.split() == ["plain", "1.0", "ok"], (allowed.stdout, allowed.stderr[-2000:])
