@@ -176,7 +176,7 @@ def _code_result(res, solution_str: str, format_score: float) -> dict:
     sandbox = _sandbox()
     fmt = format_score if format_score and sandbox.has_fenced_block(solution_str) else 0.0
     # judged_inside: share of the row's tests whose verdict came from the program's process (not
-    # split into call and expected value, docs/adapt.md): 0 means the score cannot be forged
+    # split into holes judged here, docs/adapt.md): 0 means every decision was made in this process
     return {"score": round(fmt + (1.0 - format_score) * res.score, 6), "pass_rate": res.score,
             "all_passed": float(res.passed == res.total), "reason": res.reason,
             "judged_inside": res.inside / res.total if res.total else 0.0}

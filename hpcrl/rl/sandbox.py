@@ -9,33 +9,34 @@ started as an argv list (no shell):
     [unshare --user --map-root-user --mount ... (userns only)]  python -I -S -c BOOT
 
 BOOT reads the harness's code object (marshal) from stdin and runs it; the harness reads
-{code, tests, limits} after it. As root it unshares mount, network, pid, ipc and uts namespaces
-itself and forks: the child is pid 1 of them (util-linux's `unshare --fork --kill-child
---mount-proc` did this before at the cost of one more exec). The harness (pid 1) puts private tmpfs
-mounts over /tmp, /var/tmp and /dev/shm, then forks a worker that switches to uid/gid `nobody`
-(when the trainer runs as root), sets rlimits (CPU s, address space, file size, open files,
-processes, no core), moves into a fresh directory that is its cwd, HOME and TMPDIR, clears the
-environment, and runs the code and the tests' calls. Their values come back on the harness's own pipe.
+{code, tests, limits} after it. As root it joins the sample's cgroups (cgroups.py), unshares
+mount, network, pid, ipc and uts namespaces itself and forks: the child is pid 1 of them. pid 1
+builds the sample's own root (private_mounts: /usr and the interpreter's prefix read-only, a few
+device nodes, its own /proc, scratch tmpfs /tmp and /dev/shm; pivot_root, the old root detached),
+then forks a worker that switches to a uid of its own (2^30 + the harness's host pid, when the
+trainer runs as root), sets rlimits, moves into /tmp/work (its cwd, HOME and TMPDIR), clears the
+environment, and runs the code and the tests' calls. Their values come back on the harness's own
+pipe.
 
-Isolation levels (`isolation()` finds the best this host allows, once per process):
-- namespaces (root): all of the above. No network (a new network namespace has only a downed
-  loopback), no view of the trainer's processes, files written anywhere vanish with the mount
-  namespace, and every process the program started dies when the harness exits (the kernel kills
-  a pid namespace with its init).
-- userns (non-root, unprivileged user namespaces allowed): the same namespaces, but the program
-  keeps your uid: files you own outside /tmp, /var/tmp, /dev/shm and HOME stay writable.
+Isolation levels (`isolation()` finds the best this host allows, once per process, and says it
+on stderr):
+- namespaces (root): all of the above.
+- userns (non-root, unprivileged user namespaces allowed; never as root, where it would map the
+  sample to uid 0 with every capability): the same namespaces and root, but the program keeps
+  your uid, with per-process limits only.
 - plain (neither): a new session with rlimits, a fresh temp dir as cwd/HOME, an empty
-  environment, and a sweep afterwards for processes carrying this sample's marker. The network
-  is reachable, the program can signal your processes and write your files: run it in a
-  container or as root for real isolation.
+  environment, a uid of its own as root, and a sweep afterwards for processes carrying this
+  sample's marker. It hides nothing else, so it refuses (reason `refused`) unless
+  HPCRL_SANDBOX_PLAIN=1.
 
 Reward hacking: the sandbox never says whether a test passed. The trainer splits each assert test
 into the call (sent to the sandbox) and the expected value and comparison (kept here: _plan), the
 worker sends back the calls' values as JSON data and stdin/stdout tests' printed text, and _judge
-compares them here after decode() made them plain built-in values. The program may do anything to
-its interpreter, the harness or its pipe: it only ever holds calls and inputs, never an expected
-value, so what it can send is claims of values, and a claim scores only if it is the answer. Tests
-that cannot be split run whole inside and are counted (Result.inside). docs/adapt.md states the
+compares them here after decode() made them plain built-in values (judge.py: the split and the
+trusted evaluation). The program may do anything to its interpreter, the harness or its pipe: it
+only ever holds calls and inputs, never an expected value, so what it can send is claims of
+values, and a claim scores only if it is the answer. Tests that cannot be split run inside, each
+in a sandbox of its own, and are counted (Result.inside). docs/adapt.md states the
 guarantee; tests/rl/forgeries.py is the table of forgeries it stops.
 """
 
