@@ -174,7 +174,7 @@ def test_files_ship_launcher_and_reward(tmp_path):
     files = VerlTrainer().files(ctx)
     # the code reward imports the sandbox, and the sandbox its judge and cpus, each from beside itself
     assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py", "verl/judge.py", "verl/cpus.py",
-                          "verl/cgroups.py"}
+                          "verl/cgroups.py", "verl/sandbox_harness.py", "verl/sandbox_server.py"}
     assert "def compute_score(" in files["verl/rewards.py"]
 
 

@@ -42,7 +42,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LAUNCH_FILE = "verl/launch.py"
 REWARD_FILE = "verl/rewards.py"
 SANDBOX_FILE = "verl/sandbox.py"  # rewards.py's code reward imports it from beside itself (verl loads by path)
-SANDBOX_SIBLINGS = ("judge", "cpus", "cgroups")  # sandbox.py imports these from beside itself in turn
+SANDBOX_SIBLINGS = ("judge", "cpus", "cgroups", "sandbox_harness", "sandbox_server")  # sandbox.py reads these from beside itself
 
 # algorithm -> overrides that define it (GSPO as in verl's examples/gspo_trainer; PPO as TinyZero)
 ALGORITHMS = {
