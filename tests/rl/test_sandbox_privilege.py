@@ -59,3 +59,18 @@ def test_plain_refuses_unless_allowed_and_the_level_is_said_once():
     assert "HPCRL_SANDBOX_PLAIN=1" in out.stderr  # says how to allow it
     allowed = _as_root_without_sys_admin(script, {"HPCRL_SANDBOX_PLAIN": "1"})
     assert allowed.stdout.split() == ["plain", "1.0", "ok"], (allowed.stdout, allowed.stderr[-2000:])
+
+
+@ROOT_ONLY
+def test_the_spec_accepts_plain_with_code_allow_plain():
+    # the built-in trainer's reward, from its resolved args: refused by default, scored when allowed
+    script = ("from hpcrl.rl.config import resolve\n"
+              "from hpcrl.rl import reward_mix\n"
+              "ex = [{'data_source': 'code', 'ground_truth': {'tests': ['assert f() == 1']}, 'extra_info': {}, 'messages': []}]\n"
+              "for allow in (False, True):\n"
+              "    cfg = resolve({'reward': 'code', 'code_allow_plain': allow})\n"
+              "    scores, metrics = reward_mix.Reward(cfg)(ex, ['def f(): return 1'])\n"
+              "    print(allow, scores[0], sorted(k for k in metrics if k.startswith('reward/reason/')))\n")
+    out = _as_root_without_sys_admin(script, {"HPCRL_SANDBOX_PLAIN": "0"})
+    assert out.stdout.splitlines() == ["False 0.0 ['reward/reason/refused']", "True 1.0 ['reward/reason/ok']"], \
+        (out.stdout, out.stderr[-2000:])
