@@ -74,3 +74,48 @@ def test_the_spec_accepts_plain_with_code_allow_plain():
     out = _as_root_without_sys_admin(script, {"HPCRL_SANDBOX_PLAIN": "0"})
     assert out.stdout.splitlines() == ["False 0.0 ['reward/reason/refused']", "True 1.0 ['reward/reason/ok']"], \
         (out.stdout, out.stderr[-2000:])
+
+
+REGULAR = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser") or not Path("/usr/bin/python3").is_file(),
+                             reason="needs root to become a regular user (runuser) and a system python3")
+
+
+@REGULAR
+def test_what_a_sample_reaches_as_a_regular_user(tmp_path):
+    # Perlmutter's case (a Slurm node, no root): the sandbox's files run by /usr/bin/python3 as
+    # uid nobody, next to a file that user owns. The level is userns: the sample's root holds
+    # /usr only; the user's files, the network and the host's processes are out of its view.
+    import tempfile
+    home = Path(tempfile.mkdtemp(prefix="hpcrl-regular-"))
+    try:
+        home.chmod(0o755)
+        for name in ("sandbox", "judge", "cgroups", "cpus", "sandbox_harness", "sandbox_server"):
+            shutil.copy(REPO / "hpcrl" / "rl" / f"{name}.py", home / f"{name}.py")
+        (home / "answers.txt").write_text("1234")
+        os.chown(home / "answers.txt", 65534, 65534)
+        code = ("import os, socket\n"
+                "def top():\n    return sorted(os.listdir('/'))\n"
+                f"def mine():\n    return os.path.exists({str(home / 'answers.txt')!r})\n"
+                "def procs():\n    return len([p for p in os.listdir('/proc') if p.isdigit()])\n"
+                "def net():\n"
+                "    try:\n"
+                "        socket.create_connection(('1.1.1.1', 53), timeout=1)\n"
+                "        return 'reached'\n"
+                "    except OSError as e:\n"
+                "        return e.strerror\n")
+        script = (f"import sys; sys.path.insert(0, {str(home)!r}); import sandbox\n"
+                  "level = sandbox.isolation()\n"
+                  f"print(level, sandbox.evaluate({code!r}, ['top()', 'mine()', 'procs()', 'net()', 'os.getuid()']))\n")
+        out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-I", "-c", script], cwd=home,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        level, _, got = out.stdout.strip().partition(" ")
+        assert level == "userns", out.stdout
+        results = eval(got)  # the test's own printout: a list of (ok, plain value)
+        assert all(ok for ok, _ in results), results
+        top, mine, procs, net, uid = (v for _, v in results)
+        assert set(top) <= {"usr", "bin", "lib", "lib64", "sbin", "dev", "proc", "tmp", "etc"}, top
+        assert mine is False and procs <= 3 and net == "Network is unreachable", results
+        assert uid == 0  # root of its own user namespace, which is the user outside: no more than they have
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
