@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from .backends import for_site
@@ -36,6 +37,7 @@ def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, e
     if backend.jobs_share_this_environment:
         checks += _paths(site, in_job=_in_job(environ))
         checks += _modules_and_python(site, get_trainer(trainer))
+        checks += _sandbox_level()
         checks += _venv(site, spec or {"trainer": trainer, "args": {}, "requirements": []}, _in_job(environ),
                         spec_file)
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
@@ -156,6 +158,32 @@ def _modules_and_python(site: dict, trainer) -> list[Check]:
         out.append(Check("python", "pass", f"{python} is {'.'.join(map(str, have))} (>= {'.'.join(map(str, need))} "
                                            f"for {trainer.name})"))
     return out
+
+
+def _sandbox_level(python: str = sys.executable, environ=None) -> list[Check]:
+    """The code reward's isolation level on this machine (issue 28): what a sample can reach. Run
+    as a process (hpcrl/rl is reached only that way; it imports nothing beyond the stdlib)."""
+    environ = os.environ if environ is None else environ
+    script = "from hpcrl.rl import sandbox; print(sandbox.isolation())"
+    try:
+        proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL, env=dict(environ))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [Check("sandbox", "warn", f"could not probe the code sandbox: {e}", "run doctor again")]
+    level = proc.stdout.strip()
+    said = next((ln.split("(", 1)[-1].rstrip(")") for ln in proc.stderr.splitlines()
+                 if ln.startswith("hpcrl sandbox: isolation level")), "")
+    if level in ("namespaces", "userns"):
+        return [Check("sandbox", "pass", f"code samples here: isolation level {level} ({said.split(' - ')[0]})")]
+    if level == "plain":
+        allowed = environ.get("HPCRL_SANDBOX_PLAIN") == "1"
+        return [Check("sandbox", "warn", "code samples here: isolation level plain (no namespaces: a sample reads "
+                      "your files and environment and reaches the network)" + ("; allowed" if allowed else
+                                                                             "; code rewards refuse it"),
+                      "run as root or where unprivileged user namespaces are allowed; or set "
+                      "HPCRL_SANDBOX_PLAIN=1 in the job to accept it")]
+    return [Check("sandbox", "warn", f"could not probe the code sandbox: {proc.stderr.strip()[-200:]}",
+                  "run doctor again")]
 
 
 def format_checks(checks: list[Check]) -> str:

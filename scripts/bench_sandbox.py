@@ -84,7 +84,7 @@ WORK = tempfile.mkdtemp(prefix="hpcrl-bench-")
 def served_no_namespaces() -> None:
     """The fork server's call with the isolation switched off (bench only: the worker runs as
     this user in WORK): what is left is the server round trip and the harness's processes."""
-    steps = [sandbox._plan(t, {}).steps for t in TESTS]  # what run_tests sends: the calls, not the expected values
+    steps = [list(map(list, sandbox._plan(t, {"f"}).steps)) for t in TESTS]  # what run_tests sends: the calls, not the expected values
     payload = {"code": CODE, "tests": steps, "nonce": "n0", "cap": sandbox._RESULT_CAP, "limits": asdict(sandbox.Limits()),
                "ns": False, "drop": False, "unshare": False, "work": WORK, "prefix": sys.base_prefix}
     out, _ = sandbox._SERVER.run(payload, time.monotonic() + 5)

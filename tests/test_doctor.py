@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,22 @@ def test_tpu_site_through_the_fake_gcloud(home, tmp_path, monkeypatch):
     for words in ("FAIL  gcloud auth", "gcloud auth login", "FAIL  bucket", "FAIL  accelerator",
                   "does not offer v5p-8 (it has: v6e-8)"):
         assert words in bad.stdout, bad.stdout
+
+
+
+def test_doctor_says_the_code_sandboxs_isolation_level(tmp_path):
+    # issue 28: the level a code sample runs at here, from the sandbox's own probe
+    check = by_name(doctor._sandbox_level())["sandbox"]
+    assert check.status in ("pass", "warn") and "isolation level" in check.detail, check
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return
+    assert check.status == "pass" and "namespaces (own root" in check.detail, check
+    # root without CAP_SYS_ADMIN (many containers): plain, a warning that names how to accept it
+    wrapper = tmp_path / "python-without-sys-admin"
+    wrapper.write_text(f"#!/bin/sh\nexec setpriv --bounding-set -sys_admin --inh-caps -sys_admin {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("HPCRL_SANDBOX_PLAIN", None)
+    plain = by_name(doctor._sandbox_level(str(wrapper), env))["sandbox"]
+    assert plain.status == "warn" and "plain" in plain.detail and "refuse" in plain.detail, plain
+    assert "HPCRL_SANDBOX_PLAIN=1" in plain.fix

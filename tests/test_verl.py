@@ -172,7 +172,9 @@ def test_requirements_pin_verl_and_its_torch():
 def test_files_ship_launcher_and_reward(tmp_path):
     _, ctx = ctx_for(base_args(), run_dir=tmp_path)
     files = VerlTrainer().files(ctx)
-    assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py"}  # the code reward imports it
+    # the code reward imports the sandbox, and the sandbox its judge and cpus, each from beside itself
+    assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py", "verl/judge.py", "verl/cpus.py",
+                          "verl/cgroups.py", "verl/sandbox_harness.py", "verl/sandbox_server.py"}
     assert "def compute_score(" in files["verl/rewards.py"]
 
 
@@ -511,9 +513,11 @@ def test_a_signal_at_once_after_verl_starts_is_handled(tmp_path):
 
 
 @needs_verl
-def test_code_reward_through_verls_loader_scores_a_code_row(tmp_path):
+@pytest.mark.parametrize("route", ["compute_score", "compute_score_batch"])
+def test_code_reward_through_verls_loader_scores_a_code_row(tmp_path, route):
     """The shipped RUN/verl/rewards.py imports the sandbox from beside itself: verl loads it by
-    path (a module without a package), where `from . import sandbox` failed (issue 23)."""
+    path (a module without a package), where `from . import sandbox` failed (issue 23), and the
+    batch route's `from .cpus import workers_per_rank` (issue 28)."""
     from hpcrl.rl.data import code_row
 
     _, ctx = ctx_for(base_args(), run_dir=tmp_path)
@@ -521,10 +525,14 @@ def test_code_reward_through_verls_loader_scores_a_code_row(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     fn_cfg = compose(VerlTrainer().overrides(ctx)).reward.custom_reward_function
-    score = _verl_import_utils().load_extern_object(module_path=fn_cfg.path, object_name=fn_cfg.name)
+    assert fn_cfg.name == "compute_score"
+    score = _verl_import_utils().load_extern_object(module_path=fn_cfg.path, object_name=route)
     row = code_row("add", ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"], "test", 0)
 
     def call(response):
+        if route == "compute_score_batch":  # verl's batch reward manager: lists, keyword names
+            return score(data_sources=[row["data_source"]], solution_strs=[response],
+                         ground_truths=[row["reward_model"]["ground_truth"]], extra_infos=[row["extra_info"]])[0]
         return score(data_source=row["data_source"], solution_str=response,
                      ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
 

@@ -13,6 +13,7 @@ Every term's per-sample values are logged as reward/<name>; dict results' extra 
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 
@@ -54,6 +55,8 @@ class Reward:
         from .sandbox import Limits
 
         cfg = self.cfg
+        if cfg.get("code_allow_plain"):  # the spec accepts the plain level (the sandbox refuses it otherwise)
+            os.environ["HPCRL_SANDBOX_PLAIN"] = "1"
         limits = Limits(timeout_s=cfg["code_timeout_s"], cpu_s=max(1, int(cfg["code_timeout_s"]) + 1),
                         memory_mb=cfg["code_memory_mb"])
         auto = _call_any(rewards.compute_score_batch)

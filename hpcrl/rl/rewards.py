@@ -176,26 +176,50 @@ def _code_result(res, solution_str: str, format_score: float) -> dict:
     sandbox = _sandbox()
     fmt = format_score if format_score and sandbox.has_fenced_block(solution_str) else 0.0
     # judged_inside: share of the row's tests whose verdict came from the program's process (not
-    # split into call and expected value, docs/adapt.md): 0 means the score cannot be forged
+    # split into holes judged here, docs/adapt.md): 0 means every decision was made in this process
     return {"score": round(fmt + (1.0 - format_score) * res.score, 6), "pass_rate": res.score,
             "all_passed": float(res.passed == res.total), "reason": res.reason,
             "judged_inside": res.inside / res.total if res.total else 0.0}
 
 
+def _unscored(reason: str, e: BaseException) -> dict:
+    return {"score": 0.0, "pass_rate": 0.0, "all_passed": 0.0, "reason": reason, "judged_inside": 0.0,
+            "detail": f"{type(e).__name__}: {e}"[:200]}
+
+
 def code_score(solution_str: str, ground_truth, format_score: float = CODE_FORMAT_SCORE, limits=None) -> dict:
-    """Run the answer's code against ground_truth['tests'] in the sandbox (hpcrl/rl/sandbox.py)."""
+    """Run the answer's code against ground_truth['tests'] in the sandbox (hpcrl/rl/sandbox.py).
+    Never raises for a sample or a row: a malformed row scores 0 with reason `bad_tests`, any
+    other error 0 with `crash` (the trainer's step goes on; metrics count the reasons)."""
     sandbox = _sandbox()
-    code, tests = _code_job(solution_str, ground_truth)
-    return _code_result(sandbox.run_tests(code, tests, limits or sandbox.Limits()), solution_str, format_score)
+    try:
+        code, tests = _code_job(solution_str, ground_truth)
+        res = sandbox.run_tests(code, tests, limits or sandbox.Limits())
+    except ValueError as e:  # json.loads, _code_job, a test that is neither an assert nor a pair
+        return _unscored("bad_tests", e)
+    except Exception as e:
+        return _unscored("crash", e)
+    return _code_result(res, solution_str, format_score)
 
 
 def code_score_batch(solution_strs, ground_truths, format_score: float = CODE_FORMAT_SCORE, limits=None,
                      workers: int = 0, dedupe: bool = True) -> list:
-    """code_score over a batch, run by the sandbox's bounded pool."""
+    """code_score over a batch, run by the sandbox's bounded pool; a row or sample that cannot
+    be scored scores 0 with its reason and never costs a sibling its score."""
     sandbox = _sandbox()
-    jobs = [_code_job(s, gt) for s, gt in zip(solution_strs, ground_truths)]
-    results = sandbox.run_batch(jobs, limits or sandbox.Limits(), workers, dedupe)
-    return [_code_result(r, s, format_score) for r, s in zip(results, solution_strs)]
+    out, jobs, where = [None] * len(solution_strs), [], []
+    for i, (s, gt) in enumerate(zip(solution_strs, ground_truths)):
+        try:
+            jobs.append(_code_job(s, gt))
+            where.append(i)
+        except ValueError as e:
+            out[i] = _unscored("bad_tests", e)
+        except Exception as e:
+            out[i] = _unscored("crash", e)
+    results = sandbox.run_batch(jobs, limits or sandbox.Limits(), workers, dedupe) if jobs else []
+    for i, r in zip(where, results):
+        out[i] = _code_result(r, solution_strs[i], format_score)
+    return out
 
 
 # ------------------------------------------------------------------ dispatch

@@ -9,33 +9,34 @@ started as an argv list (no shell):
     [unshare --user --map-root-user --mount ... (userns only)]  python -I -S -c BOOT
 
 BOOT reads the harness's code object (marshal) from stdin and runs it; the harness reads
-{code, tests, limits} after it. As root it unshares mount, network, pid, ipc and uts namespaces
-itself and forks: the child is pid 1 of them (util-linux's `unshare --fork --kill-child
---mount-proc` did this before at the cost of one more exec). The harness (pid 1) puts private tmpfs
-mounts over /tmp, /var/tmp and /dev/shm, then forks a worker that switches to uid/gid `nobody`
-(when the trainer runs as root), sets rlimits (CPU s, address space, file size, open files,
-processes, no core), moves into a fresh directory that is its cwd, HOME and TMPDIR, clears the
-environment, and runs the code and the tests' calls. Their values come back on the harness's own pipe.
+{code, tests, limits} after it. As root it joins the sample's cgroups (cgroups.py), unshares
+mount, network, pid, ipc and uts namespaces itself and forks: the child is pid 1 of them. pid 1
+builds the sample's own root (private_mounts: /usr and the interpreter's prefix read-only, a few
+device nodes, its own /proc, scratch tmpfs /tmp and /dev/shm; pivot_root, the old root detached),
+then forks a worker that switches to a uid of its own (2^30 + the harness's host pid, when the
+trainer runs as root), sets rlimits, moves into /tmp/work (its cwd, HOME and TMPDIR), clears the
+environment, and runs the code and the tests' calls. Their values come back on the harness's own
+pipe.
 
-Isolation levels (`isolation()` finds the best this host allows, once per process):
-- namespaces (root): all of the above. No network (a new network namespace has only a downed
-  loopback), no view of the trainer's processes, files written anywhere vanish with the mount
-  namespace, and every process the program started dies when the harness exits (the kernel kills
-  a pid namespace with its init).
-- userns (non-root, unprivileged user namespaces allowed): the same namespaces, but the program
-  keeps your uid: files you own outside /tmp, /var/tmp, /dev/shm and HOME stay writable.
+Isolation levels (`isolation()` finds the best this host allows, once per process, and says it
+on stderr):
+- namespaces (root): all of the above.
+- userns (non-root, unprivileged user namespaces allowed; never as root, where it would map the
+  sample to uid 0 with every capability): the same namespaces and root, but the program keeps
+  your uid, with per-process limits only.
 - plain (neither): a new session with rlimits, a fresh temp dir as cwd/HOME, an empty
-  environment, and a sweep afterwards for processes carrying this sample's marker. The network
-  is reachable, the program can signal your processes and write your files: run it in a
-  container or as root for real isolation.
+  environment, a uid of its own as root, and a sweep afterwards for processes carrying this
+  sample's marker. It hides nothing else, so it refuses (reason `refused`) unless
+  HPCRL_SANDBOX_PLAIN=1.
 
 Reward hacking: the sandbox never says whether a test passed. The trainer splits each assert test
 into the call (sent to the sandbox) and the expected value and comparison (kept here: _plan), the
 worker sends back the calls' values as JSON data and stdin/stdout tests' printed text, and _judge
-compares them here after decode() made them plain built-in values. The program may do anything to
-its interpreter, the harness or its pipe: it only ever holds calls and inputs, never an expected
-value, so what it can send is claims of values, and a claim scores only if it is the answer. Tests
-that cannot be split run whole inside and are counted (Result.inside). docs/adapt.md states the
+compares them here after decode() made them plain built-in values (judge.py: the split and the
+trusted evaluation). The program may do anything to its interpreter, the harness or its pipe: it
+only ever holds calls and inputs, never an expected value, so what it can send is claims of
+values, and a claim scores only if it is the answer. Tests that cannot be split run inside, each
+in a sandbox of its own, and are counted (Result.inside). docs/adapt.md states the
 guarantee; tests/rl/forgeries.py is the table of forgeries it stops.
 """
 
@@ -46,7 +47,6 @@ import ast
 import functools
 import json
 import marshal
-import operator
 import os
 import re
 import secrets
@@ -62,6 +62,35 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+
+
+def _sibling(module: str):
+    """hpcrl.rl.<module>, or where verl loaded this file by path (a module without a package:
+    `from . import judge` fails there), the <module>.py shipped beside it (RUN/verl/)."""
+    if __package__:
+        import importlib
+
+        return importlib.import_module(f"{__package__}.{module}")
+    import importlib.util
+
+    name = f"hpcrl_verl_{module}"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), module + ".py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or not os.path.isfile(path):
+            raise ImportError(f"code reward: {path} is missing (it ships beside sandbox.py)")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # registered first: its dataclasses look their module up by name
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+_judge_mod = _sibling("judge")
+_cgroups = _sibling("cgroups")
 
 NOBODY = 65534
 _FENCE_RE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.S | re.I)
@@ -119,16 +148,43 @@ def has_fenced_block(solution_str: str) -> bool:
 
 # ------------------------------------------------------------------ isolation
 
-@functools.lru_cache(maxsize=None)
+_LEVELS = {
+    "namespaces": "own root (interpreter and /usr read-only, scratch tmpfs), no network, own pid/ipc/uts, "
+                  "a uid of its own, cgroup limits where one can be made",
+    "userns": "own root, no network, own pid/ipc/uts, your uid mapped (no uid of its own, no cgroup)",
+    "plain": "NO isolation: it reads your files and environment and reaches the network",
+}
+
+
 def isolation(python: str = sys.executable) -> str:
     """'namespaces', 'userns' or 'plain': the strongest this host allows (probed once, by
-    scoring a trivial program through that level's own path)."""
+    scoring a trivial program through that level's own path), said once on stderr. As root,
+    userns is never used: it maps the sample to uid 0 with every capability (root without
+    CAP_SYS_ADMIN, as in many containers): plain then drops to a uid of its own instead."""
+    level = _probe(os.path.realpath(python))
+    if level not in _SAID:
+        _SAID.add(level)
+        allowed = "" if level != "plain" or plain_allowed() else \
+            " - refused: every sample scores 0 (reason 'refused'); set HPCRL_SANDBOX_PLAIN=1 to allow it"
+        sys.stderr.write(f"hpcrl sandbox: isolation level {level} ({_LEVELS[level]}){allowed}\n")
+    return level
+
+
+_SAID: set = set()
+
+
+def plain_allowed() -> bool:
+    return os.environ.get("HPCRL_SANDBOX_PLAIN", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(python: str) -> str:
     if not sys.platform.startswith("linux"):
         return "plain"
     for name in ("namespaces", "userns"):
         if name == "namespaces" and os.geteuid() != 0:
             continue
-        if name == "userns" and shutil.which("unshare") is None:
+        if name == "userns" and (shutil.which("unshare") is None or os.geteuid() == 0):
             continue
         try:
             probe = _run("def f():\n    return 1", ["assert f() == 1"], Limits(timeout_s=20), name, python,
@@ -190,27 +246,48 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
         return Result(0.0, 0, len(tests), "syntax_error", time.monotonic() - t0, f"{type(e).__name__}: {e}"[:200])
     level = level or isolation(python)
-    pending = _pending(tests)
-    clean = _clean_values(pending, limits, level, python) if pending else {}
-    plans = [_plan(t, clean) if isinstance(t, str) else None for t in tests]
-    sent = [p.steps if p is not None else {"input": t["input"]} for t, p in zip(tests, plans)]
-    try:
-        out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, FORK_SERVER)
-    except _CannotStart as e:
-        return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
-    return _judge(out, marker, tests, plans, timed_out, time.monotonic() - t0)
+    if level == "plain" and not plain_allowed():
+        return Result(0.0, 0, len(tests), "refused", time.monotonic() - t0,
+                      "isolation level plain hides nothing from the program: set HPCRL_SANDBOX_PLAIN=1 to allow it")
+    names = _judge_mod.program_names(code)
+    plans = [_plan(t, names) if isinstance(t, str) else None for t in tests]
+    exprs = [e for p in plans if p is not None for e in p.clean]
+    clean = _clean_values(exprs, _judge_mod.program_imports(code), limits, level, python) if exprs else {}
+    return _run_groups(code, tests, plans, clean, limits, level, python, t0, FORK_SERVER)
 
 
 def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: float, server: bool) -> Result:
     """run_tests through one given path (isolation's probe: no fork server, a fixed level)."""
     tests = [_norm_test(t) for t in tests]
-    plans = [_plan(t, {}) if isinstance(t, str) else None for t in tests]
-    sent = [p.steps if p is not None else {"input": t["input"]} for t, p in zip(tests, plans)]
-    try:
-        out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, server)
-    except _CannotStart as e:
-        return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
-    return _judge(out, marker, tests, plans, timed_out, time.monotonic() - t0)
+    names = _judge_mod.program_names(code)
+    plans = [_plan(t, names) if isinstance(t, str) else None for t in tests]
+    return _run_groups(code, tests, plans, {}, limits, level, python, t0, server)
+
+
+def _run_groups(code, tests, plans, clean, limits, level, python, t0, server) -> Result:
+    """One sandbox for the tests whose text holds no decision, and one more for each test that
+    decides inside (a loop of asserts): no test's text reaches another test's program."""
+    shared = [i for i, p in enumerate(plans) if p is None or not p.alone]
+    groups = ([shared] if shared else []) + [[i] for i, p in enumerate(plans) if p is not None and p.alone]
+    entries, reason = [None] * len(tests), None
+    for group in groups:
+        sent = [list(map(list, plans[i].steps)) if plans[i] is not None else {"input": tests[i]["input"]}
+                for i in group]
+        try:
+            out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, server)
+        except _CannotStart as e:
+            return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
+        doc = "timeout" if timed_out else _doc(out, marker)
+        if isinstance(doc, dict) and len(doc["tests"]) != len(group):
+            doc = "crash"
+        for k, i in enumerate(group):
+            entries[i] = {"error": [doc, ""]} if isinstance(doc, str) else doc["tests"][k]
+        if isinstance(doc, str) and shared and group is groups[0] and reason is None:
+            reason = doc
+    seconds = time.monotonic() - t0
+    if reason is not None:  # the shared sandbox timed out or crashed: so did the sample
+        return Result(0.0, 0, len(tests), reason, seconds, inside=sum(1 for p in plans if p is not None and p.inside))
+    return _judge_entries(entries, tests, plans, clean, seconds)
 
 
 def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python: str, t0: float,
@@ -220,8 +297,18 @@ def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python:
     marker = secrets.token_hex(8)
     work = None if level != "plain" else tempfile.mkdtemp(prefix="hpcrl-sandbox-")
     payload = {"code": code, "tests": sent, "nonce": marker, "cap": _RESULT_CAP,
-               "limits": asdict(limits), "ns": level != "plain", "drop": level == "namespaces", "unshare": level == "namespaces",
+               "limits": asdict(limits), "ns": level != "plain", "drop": level != "userns" and os.geteuid() == 0, "unshare": level == "namespaces",
                "work": work, "prefix": sys.base_prefix}
+    # the whole tree: the worker and its children, and the harness (~30 MB, 3 processes) above them
+    groups = payload["cgroups"] = (_cgroups.make(limits.memory_mb + 32, limits.processes + 3)
+                                   if level == "namespaces" else [])
+    try:
+        return _exchange_in(payload, marker, work, limits, level, python, t0, server)
+    finally:
+        _cgroups.remove(groups)
+
+
+def _exchange_in(payload, marker, work, limits, level, python, t0, server) -> tuple[bytes, str, bool]:
     if server and level == "namespaces" and os.path.realpath(python) == os.path.realpath(sys.executable):
         res = _SERVER.run(payload, t0 + limits.timeout_s)
         if res is not None:
@@ -448,12 +535,27 @@ def _sweep(marker: str) -> int:
     return killed
 
 
+_MAX_VALUES = 200_000  # JSON values one sample's claim may hold (each a Python object here)
+_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _too_many_values(body: bytes) -> bool:
+    """True if the document holds more than _MAX_VALUES values: 8 MiB of `[],` is 2.8 million
+    lists (~400 MB, seconds of this process's CPU) that json.loads would build. Every value after
+    the first follows a `[`, `{`, `,` or `:`; those inside strings do not count."""
+    def count(b):
+        return sum(b.count(c) for c in (b"[", b"{", b",", b":"))
+    return count(body) > _MAX_VALUES and count(_STRING_RE.sub(b'""', body)) > _MAX_VALUES
+
+
 def _doc(out: bytes, marker: str):
     """The sandbox's JSON document after its marker, or a reason string (timeout, crash, output_limit)."""
     for line in out.split(b"\n"):
         head, _, body = line.partition(b" ")
         if head != marker.encode():
             continue
+        if _too_many_values(body):
+            return "output_limit"
         try:
             doc = json.loads(body)
         except (ValueError, RecursionError, MemoryError):
@@ -464,44 +566,57 @@ def _doc(out: bytes, marker: str):
     return "crash"
 
 
-def _judge(out: bytes, marker: str, tests: list, plans: list, timed_out: bool, seconds: float) -> Result:
-    """The Result, from the values the sandbox sent (or its silence). Everything in `out` came
+def _judge(out: bytes, marker: str, tests: list, plans: list, timed_out: bool, seconds: float,
+           clean: dict | None = None) -> Result:
+    """The Result, from the values one sandbox sent (or its silence). Everything in `out` came
     from the program's side and is only data: values and outputs, compared here."""
-    total = len(tests)
-    inside = sum(1 for p in plans if p is not None and p.inside)
     doc = "timeout" if timed_out else _doc(out, marker)
-    if isinstance(doc, str) or len(doc["tests"]) != total:
-        return Result(0.0, 0, total, doc if isinstance(doc, str) else "crash", seconds, inside=inside)
+    if isinstance(doc, str) or len(doc["tests"]) != len(tests):
+        return Result(0.0, 0, len(tests), doc if isinstance(doc, str) else "crash", seconds,
+                      inside=sum(1 for p in plans if p is not None and p.inside))
+    return _judge_entries(doc["tests"], tests, plans, clean or {}, seconds)
+
+
+def _judge_entries(entries: list, tests: list, plans: list, clean: dict, seconds: float) -> Result:
+    """Nothing in a claim can raise out of here: the trainer only ever sees a score (issue 28)."""
+    inside = sum(1 for p in plans if p is not None and p.inside)
     per_test, reason, detail = [], "ok", ""
-    for test, plan, entry in zip(tests, plans, doc["tests"]):
-        ok, why, what = _judge_one(test, plan, entry)
+    for test, plan, entry in zip(tests, plans, entries):
+        try:
+            ok, why, what = _judge_one(test, plan, entry, clean)
+        except Exception as e:  # a claim this judge failed to read scores 0, never stops the caller
+            ok, why, what = False, "not_data", f"unreadable claim: {type(e).__name__}"
         per_test.append(ok)
         if not ok and reason == "ok":
             reason, detail = why, what
     passed = sum(per_test)
-    return Result(passed / total, passed, total, reason, seconds, detail[:200], per_test, inside)
+    return Result(passed / len(tests), passed, len(tests), reason, seconds, detail[:200], per_test, inside)
 
 
-def _judge_one(test, plan, entry) -> tuple[bool, str, str]:
+_KINDS = ("error", "wrong_answer", "output_limit", "not_data", "timeout", "crash")
+
+
+def _judge_one(test, plan, entry, clean) -> tuple[bool, str, str]:
     if not isinstance(entry, dict):
         return False, "crash", ""
     error = entry.get("error")
     if error is not None:  # the program raised (or says so: it can only lose by it)
         kind, what = (list(error) + ["", ""])[:2] if isinstance(error, list) else ("error", "")
-        return False, kind if kind in ("error", "wrong_answer", "output_limit", "not_data") else "error", str(what)
+        return False, kind if kind in _KINDS else "error", str(what)
     if plan is None:  # stdin/stdout: only the output crossed back
         got = entry.get("stdout")
         if not isinstance(got, str):
             return False, "crash", ""
         return (True, "", "") if _same(got, test["output"]) else (False, "wrong_answer", "stdout differs")
     values = entry.get("values")
-    if not isinstance(values, list) or len(values) != len(plan.checks):
+    if not isinstance(values, list) or len(values) != sum(1 for kind, _ in plan.steps if kind == "eval"):
         return False, "crash", ""
-    for check, raw in zip(plan.checks, values):
-        ok, why = _check(check, raw)
-        if not ok:
-            return False, why, "a value is not data" if why == "not_data" else "a value differs from the expected one"
-    return True, "", ""
+    ok, why = _judge_mod.judge(plan, values, [clean.get(e, (False, "no value")) for e in plan.clean])
+    if ok:
+        return True, "", ""
+    if why.startswith("clean:"):
+        return False, "error", "the test's expected side could not be evaluated: " + why[6:]
+    return False, why, "a value is not data" if why == "not_data" else "a value differs from the expected one"
 
 
 def _same(got: str, want: str) -> bool:
@@ -530,221 +645,65 @@ def evaluate(code: str, exprs: list, limits: Limits = Limits(), level: str | Non
                 results.append((False, str(error[-1] if isinstance(error, list) and error else error)[:200]))
             else:
                 results.append((True, decode(entry["values"][0])))
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, UnicodeError):
+        except Exception:  # any claim it cannot read (an overflowing complex, ...) is not data
             results.append((False, "not_data"))
     return results
 
 
 # ------------------------------------------------------------------ the trusted side's judgment
 #
-# The program's process is never asked whether a test passed: it is asked for values. An assert
-# test is split here, in the trainer, into what the sandbox evaluates (the call side of each
-# comparison, and any statements around it) and what stays here (the expected side, the operator).
-# The sandbox sends back each call's value as JSON data; this process decodes it into plain
-# built-in values and compares. The program never sees an expected value or output, so whatever it
-# does to its interpreter, its pipe or the harness, all it can do is claim values, and a claimed
-# value scores only if it is the right answer.
-
-_OPS = {ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne), ast.Lt: ("<", operator.lt),
-        ast.LtE: ("<=", operator.le), ast.Gt: (">", operator.gt), ast.GtE: (">=", operator.ge),
-        ast.In: ("in", lambda a, b: a in b), ast.NotIn: ("not in", lambda a, b: a not in b),
-        ast.Is: ("is", operator.is_), ast.IsNot: ("is not", operator.is_not)}
-_OP_BY_NAME = {name: fn for name, fn in _OPS.values()}
-_OP_BY_NAME.update({"truth": None, "not": None})
-_SINGLETONS = (None, True, False)  # the only expected values `is` compares by identity across processes
-_MAX_DEPTH = 100                   # nesting of a value (both sides agree on it)
+# The program's process is never asked whether a test passed: it is asked for values. judge.py
+# splits each assert test, here in the trainer, into holes (what only the program can compute:
+# its calls, sent to the sandbox) and everything else (comparisons, math.isclose, str methods,
+# the expected side), evaluated here on the holes' values once decoded into plain built-in values.
 
 
-@dataclass(frozen=True)
-class _Check:
-    op: str            # a name of _OP_BY_NAME
-    call_left: bool    # the sandbox's value is the left operand (else the right)
-    expected: object   # the trusted operand, or the source of an expression a clean sandbox evaluates
-    pending: bool = False  # expected is still source (not a literal)
-    source: str = ""   # the whole assert, run in the sandbox if the expected side cannot be had
-    leaky: bool = False    # the call side computes with operators inside (see _leaky)
-
-
-def _literal(node):
-    """(True, value) for a literal (ast.literal_eval: no names, calls or attributes), else (False, None)."""
-    try:
-        return True, ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False, None
-
-
-def _leaky(call) -> bool:
-    """True if the call side computes with operators in the program's process: `abs(f(x) - 3.14)`,
-    `f(x) == 3 or f(x) == 4` carry the expected value in the text the program evaluates, and its
-    objects' operators can return what passes. Still judged here, but counted as forgeable."""
-    for n in ast.walk(call):
-        if isinstance(n, (ast.Compare, ast.BoolOp, ast.IfExp, ast.BinOp)):
-            return True
-        if isinstance(n, ast.UnaryOp) and not _literal(n)[0]:
-            return True
-    return False
-
-
-def _split_assert(node: ast.Assert, src: str):
-    """A _Check for `assert CALL op EXPECTED`, `assert CALL`, `assert not CALL`; None if unsplittable.
-    Returns (check, call source)."""
-    seg = lambda n: ast.get_source_segment(src, n) or ast.unparse(n)
-    whole = seg(node)
-    test = node.test
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPS:
-        name = _OPS[type(test.ops[0])][0]
-        left, right = test.left, test.comparators[0]
-        for call, other, call_left in ((left, right, True), (right, left, False)):
-            ok, value = _literal(other)
-            if ok:
-                if name in ("is", "is not") and not any(value is s for s in _SINGLETONS):
-                    return None
-                return _Check(name, call_left, value, source=whole, leaky=_leaky(call)), seg(call)
-        if name in ("is", "is not"):
-            return None
-        # neither side is a literal: the right is the expected (a clean sandbox evaluates it)
-        return _Check(name, True, seg(right), pending=True, source=whole, leaky=_leaky(left)), seg(left)
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return _Check("not", True, None, source=whole, leaky=_leaky(test.operand)), seg(test.operand)
-    if isinstance(test, ast.Compare):
-        return None  # chained comparisons
-    return _Check("truth", True, None, source=whole, leaky=_leaky(test)), seg(test)
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_test(test: str) -> tuple:
-    """An assert test as ((kind, ...), ...): ("run", src) for statements the sandbox runs and
-    whose verdict it would give (setup, loops, unsplittable asserts), ("check", _Check, call_src)
-    for a comparison judged here. Test data, not the program: parsing runs nothing."""
-    try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return (("run", test),)
-    items = []
-    for node in tree.body:
-        split = _split_assert(node, test) if isinstance(node, ast.Assert) else None
-        if split is None:
-            items.append(("run", ast.get_source_segment(test, node) or ast.unparse(node)))
-        else:
-            items.append(("check", *split))
-    return tuple(items)
-
-
-def _judged_inside(src: str) -> bool:
-    try:
-        return any(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(src)))
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return True
-
-
-@dataclass
-class _Plan:
-    steps: list        # what the sandbox runs for the test: [["exec" | "eval", src], ...]
-    checks: list       # one _Check per "eval" step, in order
-    inside: bool       # some verdict of this test comes from the sandbox (it could be forged)
-
-
-def _plan(test: str, clean: dict) -> _Plan:
-    """The test's steps and checks; `clean` maps expected-side sources to a clean sandbox's
-    (ok, value). An expected side without a value there makes its assert run whole inside."""
-    steps, checks, inside = [], [], False
-    for item in _parse_test(test):
-        if item[0] == "run":
-            steps.append(["exec", item[1]])
-            inside = inside or _judged_inside(item[1])
-            continue
-        _, check, call = item
-        if check.pending:
-            ok, value = clean.get(check.expected, (False, None))
-            if not ok:
-                steps.append(["exec", check.source])
-                inside = True
-                continue
-            check = _Check(check.op, check.call_left, value, leaky=check.leaky)
-        steps.append(["eval", call])
-        checks.append(check)
-        inside = inside or check.leaky
-    return _Plan(steps, checks, inside or not checks)
-
-
-def _pending(tests: list) -> list:
-    return [item[1].expected for t in tests if isinstance(t, str)
-            for item in _parse_test(t) if item[0] == "check" and item[1].pending]
-
-
-_CLEAN: dict = {}   # expected-side source -> (ok, value) from a sandbox that ran no program
+_CLEAN: dict = {}   # (prelude, expected-side source) -> (True, value) | (False, error it raised)
 _CLEAN_MAX = 4096
+_TRANSIENT = ("timeout", "crash", "output_limit")  # a clean sandbox's failure that says nothing of the test
 
 
-def _clean_values(exprs: list, limits: Limits, level: str, python: str) -> dict:
-    """The values of expected-side expressions, each evaluated once in a sandbox without any
-    program (test data only: nothing a policy wrote runs there), remembered for later samples."""
-    todo = sorted({e for e in exprs if e not in _CLEAN})
-    if todo:
-        got = evaluate("", todo, limits, level, python)
-        if len(_CLEAN) + len(todo) > _CLEAN_MAX:
-            _CLEAN.clear()
-        for expr, res in zip(todo, got):
-            _CLEAN[expr] = res
-    return {e: _CLEAN.get(e, (False, None)) for e in exprs}
+def _plan(test: str, names=frozenset()):
+    return _judge_mod.plan(test, frozenset(names))
 
 
-def decode(value, depth: int = 0):
-    """Plain built-in values from the sandbox's JSON (tagged: {"t": [...]} tuple, {"s": [...]}
-    set, {"d": [[k, v], ...]} dict, {"b": "latin-1"} bytes, {"c": [re, im]} complex, {"x": hex} a
-    long int);
-    ValueError for anything else. What it returns is made here, of built-in types only, so no
-    comparison with it runs code the program chose."""
-    if depth > _MAX_DEPTH:
-        raise ValueError("nested too deep")
-    kind = type(value)
-    if value is None or kind in (bool, int, float, str):
-        return value
-    if kind is list:
-        return [decode(v, depth + 1) for v in value]
-    if kind is dict and len(value) == 1:
-        (tag, body), = value.items()
-        if tag == "t" and type(body) is list:
-            return tuple(decode(v, depth + 1) for v in body)
-        if tag == "s" and type(body) is list:
-            return frozenset(_hashable(decode(v, depth + 1) for v in body))
-        if tag == "d" and type(body) is list and all(type(kv) is list and len(kv) == 2 for kv in body):
-            keys = _hashable(decode(kv[0], depth + 1) for kv in body)
-            return dict(zip(keys, (decode(kv[1], depth + 1) for kv in body)))
-        if tag == "x" and type(body) is str and len(body) <= _RESULT_CAP:  # an int too long for decimal JSON
-            return int(body, 16)
-        if tag == "b" and type(body) is str:
-            return body.encode("latin-1")
-        if tag == "c" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
-            return complex(*body)
-    raise ValueError("not data")
+def _prelude(imports: tuple, exprs) -> str:
+    """The clean sandbox's code: the program's plain imports, and an import of each name the
+    expected sides use that no import binds (`collections.Counter(...)` in a test)."""
+    lines = [f"try:\n    {imp}\nexcept BaseException:\n    pass" for imp in imports]
+    names = set()
+    for e in exprs:
+        try:
+            names |= {n.id for n in ast.walk(ast.parse(e, mode="eval")) if isinstance(n, ast.Name)}
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            pass
+    lines += [f"try:\n    import {n}\nexcept BaseException:\n    pass" for n in sorted(names) if n.isidentifier()]
+    return "\n".join(lines)
 
 
-def _hashable(items) -> list:
-    """Set elements or dict keys, refused (ValueError) when many share a hash: int and tuple hashes
-    are not randomised, so a program could send 100k colliding keys and make building the set
-    here quadratic."""
-    items = list(items)
-    if len(items) - len({hash(x) for x in items}) > 64:  # TypeError for an unhashable one
-        raise ValueError("colliding hashes")
-    return items
+def _clean_values(exprs: list, imports: tuple, limits: Limits, level: str, python: str) -> dict:
+    """The values of expected-side expressions, each evaluated in a sandbox without any program
+    (test data and the program's plain imports only), remembered for later samples. A failure
+    that says nothing of the expression (a timeout, a crash: a loaded machine) is retried once and
+    never remembered; a test whose expected side still has no value fails (judge.judge)."""
+    prelude = _prelude(imports, exprs)
+    todo = sorted({e for e in exprs if (prelude, e) not in _CLEAN})
+    got = {}
+    for _ in range(2):
+        if not todo:
+            break
+        for expr, res in zip(todo, evaluate(prelude, todo, limits, level, python)):
+            got[expr] = res
+        todo = [e for e in todo if not got[e][0] and got[e][1] in _TRANSIENT]
+    if len(_CLEAN) + len(got) > _CLEAN_MAX:
+        _CLEAN.clear()
+    for expr, res in got.items():
+        if res[0] or res[1] not in _TRANSIENT:
+            _CLEAN[(prelude, expr)] = res
+    return {e: _CLEAN.get((prelude, e)) or got.get(e, (False, "no value")) for e in exprs}
 
 
-def _check(check: _Check, raw) -> tuple[bool, str]:
-    """(passed, reason if not) of one comparison, made here on decoded values."""
-    try:
-        value = decode(raw)
-    except (ValueError, TypeError, UnicodeError, RecursionError):
-        return False, "not_data"
-    try:
-        if check.op == "truth":
-            return bool(value), "wrong_answer"
-        if check.op == "not":
-            return not value, "wrong_answer"
-        left, right = (value, check.expected) if check.call_left else (check.expected, value)
-        return bool(_OP_BY_NAME[check.op](left, right)), "wrong_answer"
-    except (TypeError, ValueError, RecursionError):  # e.g. `<` between a str and an int
-        return False, "wrong_answer"
+decode = _judge_mod.decode
 
 
 # ------------------------------------------------------------------ batches
@@ -757,381 +716,37 @@ def run_batch(items: list, limits: Limits = Limits(), workers: int = 0, dedupe: 
     for key, item in zip(keys, items):
         if not dedupe or key not in todo:
             todo.setdefault(key if dedupe else len(todo), item)
-    from .cpus import workers_per_rank  # the affinity mask, shared by the node's ranks (issue 19)
-    workers = workers or workers_per_rank()
+    # the affinity mask, shared by the node's ranks (issue 19); by path under verl, cpus.py beside
+    workers = workers or _sibling("cpus").workers_per_rank()
     level = isolation()
     with ThreadPoolExecutor(max_workers=min(workers, max(1, len(todo)))) as pool:
-        futures = {k: pool.submit(run_tests, c, t, limits, level) for k, (c, t) in todo.items()}
+        futures = {k: pool.submit(_run_tests_safe, c, t, limits, level) for k, (c, t) in todo.items()}
         done = {k: f.result() for k, f in futures.items()}
     return [done[k] for k in keys] if dedupe else [done[i] for i in range(len(items))]
 
 
+def _run_tests_safe(code, tests, limits, level) -> Result:
+    """run_tests that cannot lose a batch: an error scoring one sample scores it 0 with a reason."""
+    try:
+        return run_tests(code, tests, limits, level)
+    except ValueError as e:  # a malformed test of the row (_norm_test)
+        return Result(0.0, 0, len(tests) if isinstance(tests, list) else 0, "bad_tests", 0.0, str(e)[:200])
+    except Exception as e:
+        return Result(0.0, 0, len(tests) if isinstance(tests, list) else 0, "crash", 0.0,
+                      f"{type(e).__name__}: {e}"[:200])
+
+
 # ------------------------------------------------------------------ the harness (runs as pid 1)
+#
+# Real files beside this one (linters, coverage and reviewers see them), read and compiled here as
+# before: sandbox_harness.py runs in the sample, sandbox_server.py is the fork server's loop,
+# exec'd in the harness's globals (so main() and libc() are its own). Under verl they ship beside
+# this file too.
 
-HARNESS = r'''
-# posix, not os: os's module body costs ~1 ms per sample, and these are its functions anyway
-import posix as os, sys, marshal
-def main(src=None, out=None):
-    if src is None:  # spawned: the payload follows the harness on stdin
-        p = marshal.loads(sys.stdin.buffer.read())
-        out = os.dup(1)
-    else:  # forked by the server: the payload comes on its own pipe
-        data, chunk = [], b"x"
-        while chunk:
-            chunk = os.read(src, 1 << 16)
-            data.append(chunk)
-        os.close(src)
-        p = marshal.loads(b"".join(data))
-    nul = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(nul, fd)
-    os.close(nul)  # the worker holds 0-2 (/dev/null) and its result pipe, nothing else
-    lim = p["limits"]
-    if p["unshare"]:
-        enter_namespaces(out)
-    if p["ns"]:
-        private_mounts(p, lim)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        os.close(out)
-        try:
-            worker(p, lim, w)
-        finally:
-            os._exit(0)
-    os.close(w)
-    chunks, size, chunk = [], 0, b"x"
-    while chunk and size < p["cap"]:
-        chunk = os.read(r, 1 << 16)
-        chunks.append(chunk)
-        size += len(chunk)
-    data = b"".join(chunks)[:p["cap"]]
-    _, status = os.waitpid(pid, 0)
-    if not data and os.WIFSIGNALED(status):  # the trainer scores it: CPU limit (SIGXCPU, SIGKILL) a timeout
-        data = b'{"died": %d}' % os.WTERMSIG(status)
-    # one line (the worker's JSON has no raw newline): the program's claims of values, nothing more
-    data = p["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n"
-    while data:
-        data = data[os.write(out, data):]
-    os._exit(0)  # everything went out through os.write: skip ~2 ms of interpreter teardown
+def _source(name: str) -> str:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
+        return f.read()
 
-def isdir(d):
-    try:
-        return os.stat(d).st_mode & 0o170000 == 0o040000
-    except OSError:
-        return False
 
-_libc = {}
-
-def libc(name):
-    if name not in _libc:
-        _libc[name] = _make_libc(name)
-    return _libc[name]
-
-def _make_libc(name):
-    # libc through _ctypes itself: the ctypes package costs ~3 ms of imports per sample, a
-    # third of a bare interpreter start; these few lines are all of it that is needed here
-    import _ctypes
-    class Int(_ctypes._SimpleCData):
-        _type_ = "i"
-    class Fn(_ctypes.CFuncPtr):
-        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-        _restype_ = Int
-    class Libc:
-        _handle = _ctypes.dlopen(None, os.RTLD_NOW)
-    fn = Fn((name, Libc))
-    def call(*args, what=name):
-        if fn(*args) == -1:
-            raise OSError(_ctypes.get_errno(), what)
-    return call
-
-def mount(src, dst, kind, flags, data):
-    libc("mount")(src and src.encode(), dst.encode(), kind and kind.encode(), flags, data and data.encode(), what="mount " + dst)
-
-def enter_namespaces(out):
-    # what `unshare --mount --net --pid --fork --kill-child --mount-proc --ipc --uts` did, without
-    # exec'ing it first (~1.5 ms a sample): new mount, network, pid, ipc and uts namespaces, then a
-    # fork, as only a child enters the new pid namespace. This process stays outside and waits;
-    # the child (pid 1 inside) returns and runs the sample. Both are in the trainer's process
-    # group for the sample, which kills them together; pid 1 also dies with this process
-    # (PDEATHSIG), and the kernel kills everything in the namespace when pid 1 dies.
-    libc("unshare")(0x00020000 | 0x40000000 | 0x20000000 | 0x08000000 | 0x04000000)
-    pid = os.fork()
-    if pid:
-        os.close(out)
-        os.waitpid(pid, 0)
-        os._exit(0)
-    libc("prctl")(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    mount("none", "/", None, 16384 | 262144, None)  # MS_REC | MS_PRIVATE: nothing leaks back out
-    mount("proc", "/proc", "proc", 2 | 4 | 8, None)  # this namespace's processes only
-
-def private_mounts(p, lim):
-    for d in ("/tmp", "/var/tmp", "/dev/shm"):
-        if isdir(d):
-            mount("tmpfs", d, "tmpfs", 2 | 4, "size=%dm,mode=1777" % lim["tmp_mb"])
-    if p["drop"]:  # nobody may not traverse the interpreter's home (e.g. /root/.pyenv): bind it read-only
-        prefix, view = p["prefix"], "/tmp/.python"
-        os.mkdir(view, 0o755)
-        mount(prefix, view, None, 4096 | 16384, None)
-        mount(None, view, None, 4096 | 32 | 1 | 16384, None)
-        sys.path[:] = [view + s[len(prefix):] if s.startswith(prefix) else s for s in sys.path]
-    work = "/tmp/work"
-    os.mkdir(work, 0o700)
-    if p["drop"]:
-        os.chown(work, 65534, 65534)
-    p["work"] = work
-
-def worker(p, lim, w):
-    import io, resource
-    os.setsid()
-    if p["drop"]:
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
-    mb = 1024 * 1024
-    for name, value in (("RLIMIT_CPU", lim["cpu_s"]), ("RLIMIT_AS", lim["memory_mb"] * mb),
-                        ("RLIMIT_FSIZE", lim["file_mb"] * mb), ("RLIMIT_NOFILE", lim["open_files"]),
-                        ("RLIMIT_NPROC", lim["processes"]), ("RLIMIT_CORE", 0)):
-        resource.setrlimit(getattr(resource, name), (value, value))
-    os.chdir(p["work"])
-    # both the C environment (what a child process inherits) and posix.environ (what the
-    # program's `import os` builds os.environ from)
-    for k in list(os.environ):
-        os.unsetenv(k)
-    os.environ.clear()
-    for k, v in (("HOME", p["work"]), ("TMPDIR", p["work"]), ("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8")):
-        os.putenv(k, v)
-        os.environ[k.encode()] = v.encode()
-    # forked from the server, os is already imported: its environ wraps posix.environ, the dict
-    # just rewritten; should it ever hold a copy instead, make it agree
-    full_os = sys.modules.get("os")
-    if full_os is not None and getattr(full_os.environ, "_data", os.environ) is not os.environ:
-        full_os.environ._data.clear()
-        full_os.environ._data.update(os.environ)
-    cap = lim["output_kb"] * 1024
-    class Full(BaseException):
-        pass
-    class Capped(io.StringIO):
-        def write(self, s):
-            if self.tell() + len(s) > cap:
-                raise Full("output limit")
-            return super().write(s)
-    # What goes back is values and outputs, never verdicts: nothing here knows an expected value
-    # (the trainer kept them), so nothing the program does to this process can pass a test.
-    code, tests = p["code"], p["tests"]
-    p.clear()
-    def err(kind, e):
-        try:
-            return [kind, (type(e).__name__ + ": " + str(e))[:200]]
-        except BaseException:
-            return [kind, "?"]
-    failed = None
-    try:
-        prog = compile(code, "solution.py", "exec")
-    except BaseException as e:
-        failed, prog = err("error", e), None
-    ns = None
-    if prog is not None and any(isinstance(t, list) for t in tests):
-        ns = {"__name__": "solution"}
-        sys.stdout = sys.stderr = Capped()
-        try:
-            exec(prog, ns)
-        except Full as e:
-            failed = err("output_limit", e)
-        except BaseException as e:
-            failed = err("error", e)
-    entries = []
-    for t in tests:
-        entry = {}
-        if isinstance(t, list):
-            entry["values"] = values = []
-            if failed is not None:
-                entry["error"] = failed
-            else:
-                sys.stdout = sys.stderr = Capped()
-                try:
-                    for kind, src in t:
-                        if kind == "exec":
-                            exec(src, ns)
-                        else:
-                            values.append(data(eval(src, ns)))
-                except Full as e:
-                    entry["error"] = err("output_limit", e)
-                except NotData as e:
-                    entry["error"] = err("not_data", e)
-                except AssertionError as e:  # an assert the trainer could not split, or a setup one
-                    entry["error"] = err("wrong_answer", e)
-                except BaseException as e:
-                    entry["error"] = err("error", e)
-        elif prog is None:
-            entry["error"] = failed
-        else:
-            out = Capped()
-            sys.stdin, sys.stdout, sys.stderr = io.StringIO(t["input"]), out, Capped()
-            try:
-                exec(prog, {"__name__": "__main__"})
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    entry["error"] = err("error", e)
-            except Full as e:
-                entry["error"] = err("output_limit", e)
-            except BaseException as e:
-                entry["error"] = err("error", e)
-            entry["stdout"] = io.StringIO.getvalue(out)
-        entries.append(entry)
-    try:
-        blob = document(entries).encode()
-    except BaseException:  # e.g. the program replaced what document() uses: the trainer scores a crash
-        blob = b""
-    while blob:
-        blob = blob[os.write(w, blob):]
-
-class NotData(Exception):
-    pass
-
-def data(v, depth=0):
-    """A test's value as JSON text (see decode() on the trainer's side), written here rather than
-    by the json package, whose import (it loads re) costs a spawned sample more than the rest of
-    the harness. Built-in types only; a subclass goes as its built-in content, read through the
-    base type so overridden methods do not run: an int subclass whose __eq__ lies is sent as the
-    int it holds."""
-    if depth > 100:
-        raise NotData("nested deeper than 100")
-    d = depth + 1
-    if v is None:
-        return "null"
-    if v is True or v is False:
-        return "true" if v else "false"
-    if isinstance(v, int):
-        v = int.__index__(v)
-        # decimal ints are limited to 4300 digits (int_max_str_digits); hex is exempt
-        return str(v) if -(1 << 10000) < v < (1 << 10000) else '{"x":"%s"}' % hex(v)
-    if isinstance(v, float):
-        return _float(float.__float__(v))
-    if isinstance(v, str):
-        return quote(str.__str__(v))
-    if isinstance(v, list):
-        return "[" + ",".join([data(x, d) for x in list.__iter__(v)]) + "]"
-    if isinstance(v, tuple):
-        return '{"t":[' + ",".join([data(x, d) for x in tuple.__iter__(v)]) + "]}"
-    if isinstance(v, dict):
-        return '{"d":[' + ",".join(["[%s,%s]" % (data(k, d), data(x, d)) for k, x in dict.items(v)]) + "]}"
-    if isinstance(v, (set, frozenset)):
-        items = set.__iter__(v) if isinstance(v, set) else frozenset.__iter__(v)
-        return '{"s":[' + ",".join([data(x, d) for x in items]) + "]}"
-    if isinstance(v, (bytes, bytearray)):
-        return '{"b":%s}' % quote(bytes(memoryview(v)).decode("latin-1"))
-    if isinstance(v, complex):
-        return '{"c":[%s,%s]}' % (_float(complex.real.__get__(v)), _float(complex.imag.__get__(v)))
-    raise NotData("a test's value must be data (None, bool, int, float, str, bytes, list, tuple, dict, set), not " + type(v).__name__[:60])
-
-def _float(f):
-    r = float.__repr__(f)
-    return {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}.get(r, r)
-
-def quote(s):
-    import _json  # C, no imports of its own
-    return _json.encode_basestring_ascii(s)
-
-def document(entries):
-    """The worker's one line: {"tests": [{"values": [...], "error": [kind, text], "stdout": text}]}."""
-    out = []
-    for e in entries:
-        parts = []
-        if "values" in e:
-            parts.append('"values":[' + ",".join(e["values"]) + "]")
-        if "error" in e:
-            parts.append('"error":[%s,%s]' % (quote(e["error"][0]), quote(e["error"][1])))
-        if "stdout" in e:
-            parts.append('"stdout":' + quote(e["stdout"]))
-        out.append("{" + ",".join(parts) + "}")
-    return '{"tests":[' + ",".join(out) + "]}"
-
-if __name__ == "__main__":
-    main()
-'''
-
-# The fork server's loop, exec'd in the harness's globals (so main() and libc() are its own).
-SERVER = r'''
-import socket, select, signal, struct, time, io, resource, _json  # the samples' imports, done once
-
-def serve(fd):
-    # No PDEATHSIG here: it fires when the *thread* that started the server exits (a run_batch
-    # pool thread), not the trainer. The server leaves on EOF of its socket instead, which
-    # comes when the trainer is gone (its end is close-on-exec, never inherited by its spawns).
-    for name in ("prctl", "unshare", "mount"):
-        libc(name)
-    me = os.getpid()
-    sock = socket.socket(fileno=fd)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *a: None)
-    kids = {}  # pid -> deadline
-    while True:
-        wait = max(0.0, min(kids.values()) - time.monotonic()) if kids else None
-        ready, _, _ = select.select([sock, wake_r], [], [], wait)
-        if wake_r in ready:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
-        for pid, deadline in list(kids.items()):
-            try:
-                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                del kids[pid]
-                continue
-            if info is None and time.monotonic() < deadline:
-                continue
-            try:  # before the reap: the pid (and so the group) cannot have been reused yet
-                os.killpg(pid, 9)
-            except OSError:
-                pass
-            if info is None:
-                kids[pid] = time.monotonic() + 1.0  # reaped when it has gone
-            else:
-                os.waitpid(pid, 0)
-                del kids[pid]
-        if sock not in ready:
-            continue
-        try:
-            msg, anc, _, _ = sock.recvmsg(64, socket.CMSG_SPACE(2 * 4))
-        except InterruptedError:
-            continue
-        if not msg:
-            os._exit(0)  # the trainer closed its end
-        fds = []
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds += struct.unpack("%di" % (len(data) // 4), data[:len(data) - len(data) % 4])
-        if len(fds) != 2 or len(msg) != 8:
-            for f in fds:
-                os.close(f)
-            continue
-        timeout = struct.unpack("d", msg)[0]
-        pid = os.fork()
-        if pid == 0:
-            try:
-                child(me, fds[0], fds[1])
-            finally:
-                os._exit(0)
-        for f in fds:
-            os.close(f)
-        kids[pid] = time.monotonic() + timeout
-
-def child(server, src, out):
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    libc("prctl")(1, 9)  # dies with the server, and its pid 1 with it
-    if os.getppid() != server:
-        os._exit(0)
-    os.setsid()  # its own session: the server's killpg reaches it and nothing else
-    lo, hi = sorted((src, out))
-    os.closerange(3, lo)
-    os.closerange(lo + 1, hi)
-    os.closerange(hi + 1, 1 << 16)
-    main(src, out)
-'''
+HARNESS = _source("sandbox_harness.py")
+SERVER = _source("sandbox_server.py")

@@ -174,6 +174,8 @@ SCHEMA = Schema("builtin", [
         "the node's ranks when the mask is the whole node)", ge=0),
     Float("code_format_score", 0.0, "share of the score for a fenced ```python block", ge=0, le=1),
     Bool("code_dedupe", True, "identical (code, tests) in one batch run once and share the result"),
+    Bool("code_allow_plain", False, "score code where the sandbox can only be 'plain' (no namespaces: a sample "
+         "reads your files and environment); refused otherwise (docs/adapt.md)"),
     Int("length_norm_chars", 1000, "the 'length' term is -response chars / this", ge=1),
     Int("reward_model_batch_size", 16, "responses per reward-model forward (model:PATH)", ge=1),
     Choice("reward_model_normalize", "none", ("none", "batch", "sigmoid"),

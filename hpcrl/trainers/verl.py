@@ -42,6 +42,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LAUNCH_FILE = "verl/launch.py"
 REWARD_FILE = "verl/rewards.py"
 SANDBOX_FILE = "verl/sandbox.py"  # rewards.py's code reward imports it from beside itself (verl loads by path)
+SANDBOX_SIBLINGS = ("judge", "cpus", "cgroups", "sandbox_harness", "sandbox_server")  # sandbox.py reads these from beside itself
 
 # algorithm -> overrides that define it (GSPO as in verl's examples/gspo_trainer; PPO as TinyZero)
 ALGORITHMS = {
@@ -164,6 +165,8 @@ class VerlTrainer(Trainer):
         if ctx.args["reward"] == "hpcrl":
             out[REWARD_FILE] = (here.parent / "rl" / "rewards.py").read_text(encoding="utf-8")
             out[SANDBOX_FILE] = (here.parent / "rl" / "sandbox.py").read_text(encoding="utf-8")
+            for name in SANDBOX_SIBLINGS:
+                out[f"verl/{name}.py"] = (here.parent / "rl" / f"{name}.py").read_text(encoding="utf-8")
         return out
 
     def overrides(self, ctx: TrainerContext) -> list[str]:

@@ -161,9 +161,12 @@ def test_network_connection_fails():
                 f"socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
                 "def f(): return 1")
         res = _score(code)
-        assert res.score == 0.0 and res.reason == "error" and "Error" in res.detail
+        # for the right reason (issue 28): no route, not `LookupError: unknown encoding: idna`
+        # raised before any connection was tried
+        assert res.score == 0.0 and res.reason == "error" and "Network is unreachable" in res.detail, res
         code2 = "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\ndef f(): return 1"
-        assert _score(code2).score == 0.0
+        res2 = _score(code2)
+        assert res2.score == 0.0 and "Network is unreachable" in res2.detail, res2
     finally:
         server.close()
 
@@ -404,18 +407,17 @@ def test_asserts_are_split_and_judged_here():
 
 def test_unsplittable_asserts_run_inside_and_are_counted():
     code = "def f(a, b):\n    return a + b"
-    tests = ["assert f(1, 2) == f(2, 1)",         # the expected side calls the program
-             "for i in range(3):\n    assert f(i, 0) == i",
-             "f(1, 2)",                            # no assert: passes if it does not raise
-             "assert 0 < f(1, 2) < 4",             # chained
-             # split, but the call side computes with the expected value in the program's process
-             "assert abs(f(1, 2) - 3.0) < 1e-9", "assert f(1, 2) == 3 or f(1, 2) == 4"]
-    res = _score(code, tests)
-    assert (res.score, res.inside) == (1.0, 6), res
-    assert _score("def f(a, b):\n    return 0", tests).per_test == [True, False, True, False, False, False]
-    # what the count is for: a lying operator passes such a test
+    inside = ["for i in range(3):\n    assert f(i, 0) == i",   # a loop of asserts: decided inside
+              "f(1, 2)"]                                        # no assert: passes if it does not raise
+    # judged here since issue 28: both sides calls, chained, operators and `or` around the calls
+    here = ["assert f(1, 2) == f(2, 1)", "assert 0 < f(1, 2) < 4", "assert abs(f(1, 2) - 3.0) < 1e-9",
+            "assert f(1, 2) == 3 or f(1, 2) == 4"]
+    res = _score(code, inside + here)
+    assert (res.score, res.inside) == (1.0, 2), res
+    assert _score("def f(a, b):\n    return 0", inside + here).per_test == [False, True, True, False, False, False]
+    # a lying operator passed the last two before (they ran in the program's process); not now
     liar = "class A:\n    __sub__ = __eq__ = lambda s, o: 0 if isinstance(o, float) else True\n    __abs__ = lambda s: 0\ndef f(a, b):\n    return A()"
-    assert _score(liar, tests[-2:]).score == 1.0
+    assert _score(liar, here[-2:]).score == 0.0
 
 
 def test_values_that_are_not_data_score_zero_with_their_reason():
@@ -456,7 +458,7 @@ def test_an_interpreter_that_cannot_start_is_a_crash_with_the_reason():
 
 def test_hostile_result_documents_score_zero():
     # what a program may leave on its channel, as the trainer reads it
-    plan = sandbox._plan("assert f(1, 2) == 3", {})
+    plan = sandbox._plan("assert f(1, 2) == 3", {"f"})
     m = "ab12"
     for body in (b"", b"[" * 100_000, b'{"tests": []}', b'{"tests": [{"values": []}]}', b'{"tests": [7]}',
                  b'{"tests": [{"values": [{"__eq__": 1}]}]}', b'{"tests": [{"values": [3, 3]}]}', b"9" * 10_000,

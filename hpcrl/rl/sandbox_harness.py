@@ -1,0 +1,349 @@
+"""The sandbox's harness: runs as the sample's pid 1 (and its worker), in a `python -I -S` with
+nothing of hpcrl. Not imported: sandbox.py reads this file and compiles it (marshal to a spawned
+interpreter, or the fork server's globals), so keep it stdlib-only and self-contained. It never
+sees an expected value: it sends the program's values back as data (data(), document())."""
+# posix, not os: os's module body costs ~1 ms per sample, and these are its functions anyway
+import posix as os, sys, marshal
+def main(src=None, out=None):
+    if src is None:  # spawned: the payload follows the harness on stdin
+        p = marshal.loads(sys.stdin.buffer.read())
+        out = os.dup(1)
+    else:  # forked by the server: the payload comes on its own pipe
+        data, chunk = [], b"x"
+        while chunk:
+            chunk = os.read(src, 1 << 16)
+            data.append(chunk)
+        os.close(src)
+        p = marshal.loads(b"".join(data))
+    nul = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(nul, fd)
+    os.close(nul)  # the worker holds 0-2 (/dev/null) and its result pipe, nothing else
+    lim = p["limits"]
+    p["uid"] = UID_BASE + os.getpid()  # plain as root: a uid of its own too (namespaces: set below)
+    if p["unshare"]:
+        enter_namespaces(out, p)
+    if p["ns"]:
+        private_mounts(p, lim)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.close(out)
+        try:
+            worker(p, lim, w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks, size, chunk = [], 0, b"x"
+    while chunk and size < p["cap"]:
+        chunk = os.read(r, 1 << 16)
+        chunks.append(chunk)
+        size += len(chunk)
+    data = b"".join(chunks)[:p["cap"]]
+    _, status = os.waitpid(pid, 0)
+    if not data and os.WIFSIGNALED(status):  # the trainer scores it: CPU limit (SIGXCPU, SIGKILL) a timeout
+        data = b'{"died": %d}' % os.WTERMSIG(status)
+    # one line (the worker's JSON has no raw newline): the program's claims of values, nothing more
+    data = p["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n"
+    while data:
+        data = data[os.write(out, data):]
+    os._exit(0)  # everything went out through os.write: skip ~2 ms of interpreter teardown
+
+def isdir(d):
+    try:
+        return os.stat(d).st_mode & 0o170000 == 0o040000
+    except OSError:
+        return False
+
+_libc = {}
+
+def libc(name):
+    if name not in _libc:
+        _libc[name] = _make_libc(name)
+    return _libc[name]
+
+def _make_libc(name):
+    # libc through _ctypes itself: the ctypes package costs ~3 ms of imports per sample, a
+    # third of a bare interpreter start; these few lines are all of it that is needed here
+    import _ctypes
+    class Int(_ctypes._SimpleCData):
+        _type_ = "i"
+    class Fn(_ctypes.CFuncPtr):
+        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+        _restype_ = Int
+    class Libc:
+        _handle = _ctypes.dlopen(None, os.RTLD_NOW)
+    fn = Fn((name, Libc))
+    def call(*args, what=name):
+        if fn(*args) == -1:
+            raise OSError(_ctypes.get_errno(), what)
+    return call
+
+def mount(src, dst, kind, flags, data):
+    libc("mount")(src and src.encode(), dst.encode(), kind and kind.encode(), flags, data and data.encode(), what="mount " + dst)
+
+def enter_namespaces(out, p):
+    # what `unshare --mount --net --pid --fork --kill-child --mount-proc --ipc --uts` did, without
+    # exec'ing it first (~1.5 ms a sample): new mount, network, pid, ipc and uts namespaces, then a
+    # fork, as only a child enters the new pid namespace. This process stays outside and waits;
+    # the child (pid 1 inside) returns and runs the sample. Both are in the trainer's process
+    # group for the sample, which kills them together; pid 1 also dies with this process
+    # (PDEATHSIG), and the kernel kills everything in the namespace when pid 1 dies.
+    for procs in p.get("cgroups", ()):  # the sample's memory and process limits, for its whole tree
+        fd = os.open(procs, os.O_WRONLY)
+        os.write(fd, b"%d" % os.getpid())
+        os.close(fd)
+    # a uid of its own (issue 28, neighbours): RLIMIT_NPROC counts per uid, and this host pid is
+    # unique while the sample lives (this process waits for it), so no two samples share one
+    p["uid"] = UID_BASE + os.getpid()
+    libc("unshare")(0x00020000 | 0x40000000 | 0x20000000 | 0x08000000 | 0x04000000)
+    pid = os.fork()
+    if pid:
+        os.close(out)
+        os.waitpid(pid, 0)
+        os._exit(0)
+    libc("prctl")(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    mount("none", "/", None, 16384 | 262144, None)  # MS_REC | MS_PRIVATE: nothing leaks back out
+    # (its /proc is mounted in the sample's own root: private_mounts)
+
+UID_BASE = 1 << 30  # + the sample's host pid (<= 4194304): far above any real user's uid
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217, "riscv64": 41}
+
+def private_mounts(p, lim):
+    # The sample's whole file system (issue 28, files): a small tmpfs root holding the interpreter's
+    # prefix and /usr read-only (stdlib, libraries, /usr/bin), a few device nodes, its own /proc,
+    # a scratch /tmp (tmpfs); then pivot_root into it and detach the old root. Nothing of the
+    # checkout, data, run dir, $HOME or /run is in the view, and nothing it writes is on disk.
+    root = "/tmp"
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for d in ("usr", "dev", "proc", "tmp", "etc"):
+        os.mkdir(root + "/" + d, 0o755)
+    bind_ro("/usr", root + "/usr")
+    for d in ("/bin", "/lib", "/lib64", "/sbin", "/lib32", "/libx32"):
+        try:
+            os.symlink(os.readlink(d), root + d)  # usr-merged: bin -> usr/bin
+        except OSError:
+            if isdir(d):
+                os.mkdir(root + d, 0o755)
+                bind_ro(d, root + d)
+    prefix = p["prefix"]
+    if not (prefix + "/").startswith("/usr/"):  # e.g. /root/.pyenv/versions/3.11.7 (dirs made here: 0755)
+        makedirs(root + prefix)
+        bind_ro(prefix, root + prefix)
+    site = "%s/lib/python%d.%d/site-packages" % (prefix, sys.version_info[0], sys.version_info[1])
+    if isdir(root + site):  # the interpreter's packages are not the standard library
+        mount("tmpfs", root + site, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+    for n in ("null", "zero", "urandom"):
+        os.close(os.open(root + "/dev/" + n, os.O_CREAT | os.O_WRONLY, 0o666))
+        mount("/dev/" + n, root + "/dev/" + n, None, MS_BIND, None)
+    for n, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                      ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, root + "/dev/" + n)
+    os.mkdir(root + "/dev/shm", 0o755)
+    scratch = "size=%dm,mode=1777" % lim["tmp_mb"]
+    mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, scratch)
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, scratch)
+    try:  # this pid namespace's processes only
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    except OSError:
+        mount("/proc", root + "/proc", None, MS_BIND | MS_REC, None)
+    os.chdir(root)
+    try:
+        libc("syscall")(PIVOT_ROOT[os.uname().machine], b".", b".", what="pivot_root")
+        libc("umount2")(b".", 2, what="umount old root")  # MNT_DETACH: the old root, stacked under
+    except (OSError, KeyError):
+        libc("chroot")(b".", what="chroot")  # the worker drops every capability: it cannot leave
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+    work = "/tmp/work"
+    os.mkdir(work, 0o700)
+    if p["drop"]:
+        os.chown(work, p["uid"], p["uid"])
+    p["work"] = work
+
+def makedirs(path):
+    part = ""
+    for name in path.strip("/").split("/"):
+        part += "/" + name
+        if not isdir(part):
+            os.mkdir(part, 0o755)
+
+def bind_ro(src, dst):
+    mount(src, dst, None, MS_BIND | MS_REC, None)
+    # a bind is read-only only after a remount; in a user namespace the mount's own nosuid, nodev,
+    # noexec are locked and must be kept (statvfs's ST_ flags have the MS_ values for these)
+    keep = os.statvfs(dst).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
+
+def worker(p, lim, w):
+    import io, resource
+    os.setsid()
+    if p["drop"]:
+        if not p["ns"]:  # plain as root: the trainer's temp dir becomes the sample's
+            os.chown(p["work"], p["uid"], p["uid"])
+        os.setgroups([])
+        os.setgid(p["uid"])
+        os.setuid(p["uid"])
+    mb = 1024 * 1024
+    for name, value in (("RLIMIT_CPU", lim["cpu_s"]), ("RLIMIT_AS", lim["memory_mb"] * mb),
+                        ("RLIMIT_FSIZE", lim["file_mb"] * mb), ("RLIMIT_NOFILE", lim["open_files"]),
+                        ("RLIMIT_NPROC", lim["processes"]), ("RLIMIT_CORE", 0)):
+        resource.setrlimit(getattr(resource, name), (value, value))
+    os.chdir(p["work"])
+    # both the C environment (what a child process inherits) and posix.environ (what the
+    # program's `import os` builds os.environ from)
+    for k in list(os.environ):
+        os.unsetenv(k)
+    os.environ.clear()
+    for k, v in (("HOME", p["work"]), ("TMPDIR", p["work"]), ("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8")):
+        os.putenv(k, v)
+        os.environ[k.encode()] = v.encode()
+    # forked from the server, os is already imported: its environ wraps posix.environ, the dict
+    # just rewritten; should it ever hold a copy instead, make it agree
+    full_os = sys.modules.get("os")
+    if full_os is not None and getattr(full_os.environ, "_data", os.environ) is not os.environ:
+        full_os.environ._data.clear()
+        full_os.environ._data.update(os.environ)
+    cap = lim["output_kb"] * 1024
+    class Full(BaseException):
+        pass
+    class Capped(io.StringIO):
+        def write(self, s):
+            if self.tell() + len(s) > cap:
+                raise Full("output limit")
+            return super().write(s)
+    # What goes back is values and outputs, never verdicts: nothing here knows an expected value
+    # (the trainer kept them), so nothing the program does to this process can pass a test.
+    code, tests = p["code"], p["tests"]
+    p.clear()
+    def err(kind, e):
+        try:
+            return [kind, (type(e).__name__ + ": " + str(e))[:200]]
+        except BaseException:
+            return [kind, "?"]
+    failed = None
+    try:
+        prog = compile(code, "solution.py", "exec")
+    except BaseException as e:
+        failed, prog = err("error", e), None
+    ns = None
+    if prog is not None and any(isinstance(t, list) for t in tests):
+        ns = {"__name__": "solution"}
+        sys.stdout = sys.stderr = Capped()
+        try:
+            exec(prog, ns)
+        except Full as e:
+            failed = err("output_limit", e)
+        except BaseException as e:
+            failed = err("error", e)
+    entries = []
+    for t in tests:
+        entry = {}
+        if isinstance(t, list):
+            entry["values"] = values = []
+            if failed is not None:
+                entry["error"] = failed
+            else:
+                sys.stdout = sys.stderr = Capped()
+                try:
+                    for kind, src in t:
+                        if kind == "exec":
+                            exec(src, ns)
+                        else:
+                            values.append(data(eval(src, ns)))
+                except Full as e:
+                    entry["error"] = err("output_limit", e)
+                except NotData as e:
+                    entry["error"] = err("not_data", e)
+                except AssertionError as e:  # an assert the trainer could not split, or a setup one
+                    entry["error"] = err("wrong_answer", e)
+                except BaseException as e:
+                    entry["error"] = err("error", e)
+        elif prog is None:
+            entry["error"] = failed
+        else:
+            out = Capped()
+            sys.stdin, sys.stdout, sys.stderr = io.StringIO(t["input"]), out, Capped()
+            try:
+                exec(prog, {"__name__": "__main__"})
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    entry["error"] = err("error", e)
+            except Full as e:
+                entry["error"] = err("output_limit", e)
+            except BaseException as e:
+                entry["error"] = err("error", e)
+            entry["stdout"] = io.StringIO.getvalue(out)
+        entries.append(entry)
+    try:
+        blob = document(entries).encode()
+    except BaseException:  # e.g. the program replaced what document() uses: the trainer scores a crash
+        blob = b""
+    while blob:
+        blob = blob[os.write(w, blob):]
+
+class NotData(Exception):
+    pass
+
+def data(v, depth=0):
+    """A test's value as JSON text (see decode() on the trainer's side), written here rather than
+    by the json package, whose import (it loads re) costs a spawned sample more than the rest of
+    the harness. Built-in types only; a subclass goes as its built-in content, read through the
+    base type so overridden methods do not run: an int subclass whose __eq__ lies is sent as the
+    int it holds."""
+    if depth > 100:
+        raise NotData("nested deeper than 100")
+    d = depth + 1
+    if v is None:
+        return "null"
+    if v is True or v is False:
+        return "true" if v else "false"
+    if isinstance(v, int):
+        v = int.__index__(v)
+        # decimal ints are limited to 4300 digits (int_max_str_digits); hex is exempt
+        return str(v) if -(1 << 10000) < v < (1 << 10000) else '{"x":"%s"}' % hex(v)
+    if isinstance(v, float):
+        return _float(float.__float__(v))
+    if isinstance(v, str):
+        return quote(str.__str__(v))
+    if isinstance(v, list):
+        return "[" + ",".join([data(x, d) for x in list.__iter__(v)]) + "]"
+    if isinstance(v, tuple):
+        return '{"t":[' + ",".join([data(x, d) for x in tuple.__iter__(v)]) + "]}"
+    if isinstance(v, dict):
+        return '{"d":[' + ",".join(["[%s,%s]" % (data(k, d), data(x, d)) for k, x in dict.items(v)]) + "]}"
+    if isinstance(v, (set, frozenset)):
+        items = set.__iter__(v) if isinstance(v, set) else frozenset.__iter__(v)
+        return '{"s":[' + ",".join([data(x, d) for x in items]) + "]}"
+    if isinstance(v, (bytes, bytearray)):
+        return '{"b":%s}' % quote(bytes(memoryview(v)).decode("latin-1"))
+    if isinstance(v, complex):
+        return '{"c":[%s,%s]}' % (_float(complex.real.__get__(v)), _float(complex.imag.__get__(v)))
+    raise NotData("a test's value must be data (None, bool, int, float, str, bytes, list, tuple, dict, set), not " + type(v).__name__[:60])
+
+def _float(f):
+    r = float.__repr__(f)
+    return {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}.get(r, r)
+
+def quote(s):
+    import _json  # C, no imports of its own
+    return _json.encode_basestring_ascii(s)
+
+def document(entries):
+    """The worker's one line: {"tests": [{"values": [...], "error": [kind, text], "stdout": text}]}."""
+    out = []
+    for e in entries:
+        parts = []
+        if "values" in e:
+            parts.append('"values":[' + ",".join(e["values"]) + "]")
+        if "error" in e:
+            parts.append('"error":[%s,%s]' % (quote(e["error"][0]), quote(e["error"][1])))
+        if "stdout" in e:
+            parts.append('"stdout":' + quote(e["stdout"]))
+        out.append("{" + ",".join(parts) + "}")
+    return '{"tests":[' + ",".join(out) + "]}"
+
+if __name__ == "__main__":
+    main()
