@@ -39,6 +39,13 @@ class Cloud:
         argvs = [["gcloud", *json.loads(ln)["argv"]] for ln in path.read_text().splitlines()] if path.exists() else []
         return [a for a in argvs if all(w in a for w in words)]
 
+    def vm_calls(self, *words: str, vm: bool) -> list[list[str]]:
+        """Recorded argvs made by a "VM" (vm=True: its startup script) or by hpcrl here (False)."""
+        path = self.dir / "calls.jsonl"
+        recs = [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+        return [["gcloud", *r["argv"]] for r in recs
+                if bool(r.get("vm")) == vm and all(w in r["argv"] for w in words)]
+
     def qrs(self) -> dict:
         path = self.dir / "qrs.json"
         return json.loads(path.read_text())["qrs"] if path.exists() else {}
@@ -67,7 +74,7 @@ def cloud(home, tmp_path, monkeypatch):
     (sites / "tputest.yaml").write_text(
         "extends: tpu-v5p-8\nproject: fake-proj\nzone: us-east5-a\nbucket: gs://fake-bucket\n"
         f"hpcrl_python: {json.dumps(sys.executable)}\nsetup: []\nvenv_root: null\nvm_root: {json.dumps(str(c.vm))}\n"
-        "signal_lead_s: 1\nexit_margin_s: 0.5\nkill_grace_s: 2\nmax_retries: 2\n")
+        "signal_lead_s: 1\nexit_margin_s: 0.5\nkill_grace_s: 2\nmax_retries: 2\nreport_margin_s: 2\n")
     yield c
     c.kill_vms()
 
@@ -278,3 +285,27 @@ def test_resume_with_new_hours_changes_the_next_segments_length(cloud):
     assert state["state"] == "COMPLETED" and len(ran) >= 2, "3 s of training cannot fit one 5 s segment"
     assert ran[0]["ended"] - ran[0]["started"] < 6, "the first resumed segment ran for the new hours"
     assert_resumed_exactly(state, 30, rdir)
+
+
+BUCKET_FIX = "roles/storage.objectAdmin on gs://fake-bucket"
+
+
+@pytest.mark.parametrize("denied", [["storage", "compute"], ["storage"]], ids=["cannot-delete-itself", "deletes-itself"])
+def test_vm_denied_the_bucket_bills_no_longer_than_its_segment(cloud, denied):
+    # The VM's service account (the default Compute Engine one, say) cannot read the bucket: the
+    # VM cannot fetch the run. With the TPU role it deletes itself at once; without it, the watcher
+    # deletes the queued resource once it has been ACTIVE for the segment (7 s) plus
+    # site.report_margin_s (2 s) without a heartbeat. Either way: one create, one delete, the run
+    # FAILED with the fix (a VM that never reported is not re-created: the next would fail the same).
+    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"]}], vm_denied=denied)
+    submit("deny", "--hours", "0.002")
+    rc, out = watch_until_done("deny", timeout=60)
+    assert rc == 1, out
+    state = run_state("deny")
+    assert state["state"] == "FAILED", state["reason"]
+    assert "never reported" in state["reason"] and BUCKET_FIX in state["reason"], state["reason"]
+    assert cloud.qrs()["hpcrl-deny-1"].get("deleted"), "the queued resource was left to bill"
+    by_vm = cloud.vm_calls("queued-resources", "delete", vm=True)
+    assert bool(by_vm) and (len(cloud.vm_calls("queued-resources", "delete", vm=False)) >= 1) == (denied != ["storage"])
+    assert len(cloud.calls("queued-resources", "create")) == 1, "a VM that cannot reach the bucket is not re-created"
+    assert state["segments"][0]["state"] in ("LOST", "CANCELLED")

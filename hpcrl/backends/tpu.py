@@ -252,6 +252,12 @@ def segment_seconds(hours: float) -> int:
     return max(1, round(float(hours) * 3600))
 
 
+def stall_seconds(site: dict, hours: float) -> int:
+    """How long a VM may go without a heartbeat in the bucket before it is deleted (by itself, or
+    by the watcher): its segment, the kill grace and site.report_margin_s (a slow upload)."""
+    return segment_seconds(hours) + int(site["kill_grace_s"]) + int(site.get("report_margin_s") or 0)
+
+
 def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
     """The VM's startup script for segment job `qr_id` (every user value quoted by hpcrl.shell.q)."""
     import jinja2
@@ -269,6 +275,7 @@ def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
         hpcrl_python=site.get("hpcrl_python") or "python3",
         segment_s=segment_seconds(resolved["spec"]["budget"]["hours"]),
         signal_lead_s=int(site["signal_lead_s"]), kill_grace_s=int(site["kill_grace_s"]),
+        stall_s=stall_seconds(site, resolved["spec"]["budget"]["hours"]),
         delete_command=" ".join(q(a) for a in delete_argv(site, qr_id)),
     )
 
@@ -298,7 +305,8 @@ class TpuBackend(Backend):
     job_id_missing = "the TPU startup script sets HPCRL_JOB_ID"
     jobs_share_this_environment = False  # the VM has its own Python, venvs and disk
     site_keys = {"project": None, "zone": None, "accelerator_type": None, "runtime_version": None,
-                 "provisioning": None, "bucket": None, "max_retries": None, "vm_root": DEFAULT_VM_ROOT}
+                 "provisioning": None, "bucket": None, "max_retries": None, "vm_root": DEFAULT_VM_ROOT,
+                 "report_margin_s": 900}
 
     def job_layout(self, run_id: str, layout):
         return RunLayout(vm_run_dir(self.site, run_id))
@@ -408,7 +416,8 @@ class TpuBackend(Backend):
         argv = create_argv(self.site, qr_id, startup)
         self.gcloud(argv)
         atomic_write_json(tdir / f"{qr_id}.json", {"qr_id": qr_id, "n": n, "created": time.time(), "argv": argv,
-                                                   "closed": None, "outcome": None})
+                                                   "closed": None, "outcome": None,
+                                                   "stall_s": stall_seconds(self.site, resolved["spec"]["budget"]["hours"])})
         return qr_id
 
     def stage(self, run_dir: Path) -> None:
@@ -478,6 +487,17 @@ class TpuBackend(Backend):
                 except ValueError:
                     continue  # a torn upload: the next poll reads it whole
         return None, False
+
+    def fetch_heartbeat(self, run_id: str, qr_id: str) -> str | None:
+        """The VM's last heartbeat (its clock, as text: only its changes count), None before the first."""
+        res = self.gcloud(["gcloud", "storage", "cat", f"{run_uri(self.site, run_id)}/jobs/{qr_id}/heartbeat"], check=False)
+        return res.stdout.strip() or None if res.returncode == 0 else None
+
+    def silent_vm_fix(self) -> str:
+        return (f"give the VM's service account (the project's default Compute Engine account unless the image "
+                f"says otherwise) roles/storage.objectAdmin on {self.site['bucket']} and roles/tpu.admin (to delete "
+                f"itself): gcloud storage buckets add-iam-policy-binding {self.site['bucket']} "
+                f"--member=serviceAccount:SA --role=roles/storage.objectAdmin")
 
     def pull_outputs(self, run_dir: Path) -> None:
         """Logs, metrics and the checkpoint pointer into the local run dir (for status and logs)."""

@@ -39,7 +39,7 @@ from ..lifecycle import ACTIVE, RunState, SegState, Stop
 from .base import JobState
 
 BACKOFF_CAP_S = 1800.0  # the longest wait before re-creating a preempted VM
-RETRY_OUTCOMES = ("preempted", "lost")
+RETRY_OUTCOMES = ("preempted", "lost", "hung")
 SEG_FIELDS_FROM_VM = ("state", "started", "ended", "rc", "start_step", "end_step", "k", "reason")
 LAST_TICK = "last-tick"  # in the run's .tpu dir: when a watcher last looked (status shows its age)
 
@@ -68,7 +68,7 @@ def open_record(run) -> dict | None:
 
 def _close_record(run, rec: dict, outcome: str) -> None:
     rec.update(closed=time.time(), outcome=outcome)
-    atomic_write_json(_dir(run) / f"{rec['qr_id']}.json", rec)
+    _save(run, rec)
 
 
 @contextlib.contextmanager
@@ -115,32 +115,69 @@ def _observe(run, backend, ops, rec: dict) -> None:
     raw = st.state if st else "GONE"
     done = _pull(run, backend, ops, qr) if st is None or st.job_state != JobState.PENDING else False
     active = lifecycle.is_active(run.state())
-    if not done and st is not None and raw not in ("SUSPENDED", "FAILED", "DELETING"):
+    silent = _heard(run, backend, rec, raw) if active and not done else False
+    if not done and not silent and st is not None and raw not in ("SUSPENDED", "FAILED", "DELETING"):
         if raw != "SUSPENDING" and not active and not rec.get("delete_sent"):
             backend.delete(qr)  # a cancelled run's QR (cancel deletes it too; this is idempotent)
             rec["delete_sent"] = True
-            atomic_write_json(_dir(run) / f"{qr}.json", rec)
+            _save(run, rec)
         elif active and st.job_state == JobState.PENDING:
             _set_reason(run, f"queued resource {qr}: {raw}", only_in=(RunState.PENDING, RunState.RESUBMITTED))
         return  # still queued, running or saving (SUSPENDING)
     if st is not None and raw != "DELETING":
         backend.delete(qr)
-    if done:  # a VM whose job ended while its queued resource was being suspended was preempted too
-        outcome = "preempted" if raw in ("SUSPENDING", "SUSPENDED") else "done"
-    elif raw == "FAILED":
-        outcome = "failed"
+    outcome = _outcome(raw, done, active, rec, silent)
+    if outcome == "failed":
         _fail(run, ops, qr, st.error, backend)
-    elif not active:
-        outcome = "cancelled"
-    else:
-        outcome = "preempted" if raw == "SUSPENDED" else "lost"
+    elif outcome == "silent":
+        ops.fail(run, Stop.BACKEND_FAILED, f"the VM of queued resource {qr} never reported to "
+                                           f"{backend.site['bucket']} (deleted); {backend.silent_vm_fix()}; "
+                                           f"then `hpcrl resume {run.id}`")
     why = {"preempted": "was preempted (queued resource SUSPENDED)", "lost": f"ended without its end hook ({raw})",
            "failed": "ended: its queued resource FAILED", "cancelled": "ended: the run was cancelled",
-           "done": "ended (its VM was gone before it finished)"}[outcome]
+           "done": "ended (its VM was gone before it finished)", "silent": "ended: its VM never reported",
+           "hung": f"ended: no heartbeat from its VM for {rec.get('stall_s')} s (deleted)"}[outcome]
     ops.close_segment(run, qr, why)  # a no-op when the VM closed the segment itself
     _close_record(run, rec, outcome)
     with run.locked() as state:
         lifecycle.add_event(state, f"queued resource {qr} closed: {outcome} ({raw})", time.time())
+
+
+def _outcome(raw: str, done: bool, active: bool, rec: dict, silent: bool) -> str:
+    if done:  # a VM whose job ended while its queued resource was being suspended was preempted too
+        return "preempted" if raw in ("SUSPENDING", "SUSPENDED") else "done"
+    if raw == "FAILED":
+        return "failed"
+    if not active:
+        return "cancelled"
+    if raw in ("SUSPENDING", "SUSPENDED"):
+        return "preempted"
+    if rec.get("beat") is None:
+        # gone (or silent too long) without ever a heartbeat: a VM that cannot write the bucket
+        # deleted itself, or the watcher deleted it; another VM would do the same
+        return "silent"
+    return "hung" if silent else "lost"
+
+
+def _heard(run, backend, rec: dict, raw: str) -> bool:
+    """Note the VM's heartbeat; True when an ACTIVE VM has been silent for longer than its segment
+    plus margins (rec["stall_s"]), so that the caller deletes it: an idle TPU VM bills."""
+    now, changed = time.time(), False
+    if raw == "ACTIVE" and not rec.get("active_seen"):
+        rec["active_seen"], changed = now, True
+    if raw == "ACTIVE" or (rec.get("beat") is None and raw in ("GONE", "DELETING")):
+        beat = backend.fetch_heartbeat(run.id, rec["qr_id"])
+        if beat is not None and beat != rec.get("beat"):
+            rec.update(beat=beat, beat_seen=now)
+            changed = True
+    if changed:
+        _save(run, rec)
+    since = rec.get("beat_seen") or rec.get("active_seen")
+    return raw == "ACTIVE" and since is not None and now - since > float(rec.get("stall_s") or float("inf"))
+
+
+def _save(run, rec: dict) -> None:
+    atomic_write_json(_dir(run) / f"{rec['qr_id']}.json", rec)
 
 
 def _pull(run, backend, ops, qr: str) -> bool:
