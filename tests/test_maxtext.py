@@ -23,9 +23,10 @@ WHEEL_SHA256 = "2fe8e4ffc3a06bd06f94daeaaf5fe3ecee748bb6f661c0f426e07e2ca10c9406
 RL_KEYS = config_keys((DATA / "base.yml").read_text(), (DATA / "rl.yml").read_text())
 
 
-def ctx_for(args, chips=4, nodes=1, run_dir="/home/u/hpcrl/runs/r-1"):
+def ctx_for(args, chips=4, nodes=1, run_dir="/home/u/hpcrl/runs/r-1", bucket=None):
     trainer = MaxTextTrainer()
-    return trainer, adapter_context(trainer, args, run_dir, site={"chips_per_vm": chips}, resources={"nodes": nodes})
+    site = {"chips_per_vm": chips, **({"bucket": bucket} if bucket else {})}
+    return trainer, adapter_context(trainer, args, run_dir, site=site, resources={"nodes": nodes})
 
 
 def rendered_pairs(argv):
@@ -42,13 +43,18 @@ def rendered_pairs(argv):
 def test_recipe_renders_only_keys_of_the_pinned_rl_config(name, loss_algo, chips):
     spec = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     assert spec["trainer"] == "maxtext"
-    trainer, ctx = ctx_for(spec["args"], chips=chips)
+    trainer, ctx = ctx_for(spec["args"], chips=chips, bucket="gs://my-bucket")
     pairs = rendered_pairs(trainer.command(ctx))
     assert set(pairs) <= RL_KEYS, sorted(set(pairs) - RL_KEYS)
     assert pairs["loss_algo"] == loss_algo and pairs["chips_per_vm"] == str(chips)
-    assert pairs["run_name"] == "r-1" and pairs["base_output_directory"] == spec["args"]["base_output_directory"]
-    assert pairs["load_parameters_path"].endswith("/0/items") and int(pairs["checkpoint_period"]) > 0
-    assert trainer.checkpoint_root(ctx) == f"{spec['args']['base_output_directory']}/r-1/checkpoints"
+    # the recipes' placeholder bucket takes the site's
+    assert pairs["run_name"] == "r-1" and pairs["base_output_directory"] == "gs://my-bucket/hpcrl"
+    assert pairs["load_parameters_path"] == "gs://my-bucket/llama3.1-8b-maxtext/0/items"
+    assert int(pairs["checkpoint_period"]) > 0
+    assert trainer.checkpoint_root(ctx) == "gs://my-bucket/hpcrl/r-1/checkpoints"
+    _, no_bucket = ctx_for(spec["args"], chips=chips)  # a site without a bucket: the placeholder is refused
+    with pytest.raises(SpecError, match="gs://YOUR_BUCKET/hpcrl is a placeholder"):
+        trainer.command(no_bucket)
 
 
 def test_loss_algo_values_are_the_ones_maxtext_accepts():
@@ -58,7 +64,7 @@ def test_loss_algo_values_are_the_ones_maxtext_accepts():
 
 
 def test_command_is_the_seed_command_for_defaults():
-    trainer, ctx = ctx_for({"load_parameters_path": "gs://b/ckpt/0/items", "algorithm": "gspo"}, chips=8)
+    trainer, ctx = ctx_for({"load_parameters_path": "gs://bkt/ckpt/0/items", "algorithm": "gspo"}, chips=8)
     pairs = rendered_pairs(trainer.command(ctx))
     for key in ("model_name", "load_parameters_path", "run_name", "base_output_directory", "chips_per_vm", "loss_algo"):
         assert key in pairs  # the tutorial's command line
@@ -193,7 +199,7 @@ def test_gs_checkpoints_are_listed_by_the_hooks_and_read_from_the_cache_by_statu
     fake, _ = use_fake_gcloud(monkeypatch, tmp_path)
     run_dir = tmp_path / "r-1"
     run_dir.mkdir()
-    args = MaxTextTrainer().validate_args({"load_parameters_path": "gs://b/ckpt", "base_output_directory": "gs://bucket"})
+    args = MaxTextTrainer().validate_args({"load_parameters_path": "gs://bkt/ckpt", "base_output_directory": "gs://bucket"})
     (run_dir / "spec.json").write_text(json.dumps({"spec": {"args": args, "resources": {"nodes": 1}},
                                                    "site": {"chips_per_vm": 4}}))
     # Tunix's layout: checkpoints/actor/<step>/; on GCS Orbax writes <step>/ in place and commits

@@ -26,8 +26,8 @@ class Cloud:
 
     def __init__(self, root: Path):
         self.dir, self.gcs, self.vm = root / "fake", root / "gcs", root / "vm"
-        for d in (self.dir, self.gcs, self.vm):
-            d.mkdir(parents=True)
+        for d in (self.dir, self.gcs / "fake-bucket", self.vm):
+            d.mkdir(parents=True)  # the bucket exists (submit lists it)
 
     def scenario(self, creates: list[dict], **extra) -> None:
         data = {"config": {}, "vm_env": {"HPCRL_SYNC_S": "0.3"}, "creates": creates, **extra}
@@ -309,3 +309,49 @@ def test_vm_denied_the_bucket_bills_no_longer_than_its_segment(cloud, denied):
     assert bool(by_vm) and (len(cloud.vm_calls("queued-resources", "delete", vm=False)) >= 1) == (denied != ["storage"])
     assert len(cloud.calls("queued-resources", "create")) == 1, "a VM that cannot reach the bucket is not re-created"
     assert state["segments"][0]["state"] in ("LOST", "CANCELLED")
+
+
+def maxtext_spec(tmp_path: Path) -> Path:
+    spec = tmp_path / "mx.yaml"
+    hpcrl("init", "--recipe", "maxtext-llama3.1-8b-grpo", "--out", spec)
+    return spec
+
+
+def test_recipe_paths_take_the_sites_bucket(cloud, tmp_path):
+    text = hpcrl("render", maxtext_spec(tmp_path), "--site", "tputest", "--set", "site.bucket=gs://my-bucket",
+                 "--name", "mx").stdout
+    job = text.split("# " + "=" * 76)[0]
+    assert "YOUR_BUCKET" not in job
+    assert " base_output_directory=gs://my-bucket/hpcrl " in job
+    assert " load_parameters_path=gs://my-bucket/llama3.1-8b-maxtext/0/items " in job
+    assert " --ckpt-root gs://my-bucket/hpcrl/mx/checkpoints/actor " in job
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("args.load_parameters_path=gs://<your-bucket>/ckpt/0/items", "args.load_parameters_path: gs://<your-bucket>/ckpt/0/items is a placeholder"),
+    ("args.base_output_directory=gs://My_Bucket/out", "args.base_output_directory: gs://My_Bucket/out is not a valid gs:// path"),
+    ("env.EXTRA_DATA=gs://YOUR_DATA/x", "the rendered job uses gs://YOUR_DATA/x, which is a placeholder"),
+])
+def test_submit_refuses_placeholder_and_invalid_gs_paths(cloud, tmp_path, setting, words):
+    cloud.scenario([{"states": ["ACTIVE"]}])
+    r = hpcrl("submit", maxtext_spec(tmp_path), "--site", "tputest", "--set", setting, "--name", "bad",
+              check=False, env={"HF_TOKEN": "hf_x"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert words in r.stderr, r.stderr
+    assert not cloud.calls("create") and "bad" not in hpcrl("status").stdout
+
+
+def test_gated_model_without_hf_token_is_refused_at_submit(cloud, tmp_path):
+    cloud.scenario([{"states": ["ACTIVE"]}])
+    r = hpcrl("submit", maxtext_spec(tmp_path), "--site", "tputest", "--name", "gated", check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "llama3.1-8b-Instruct is gated" in r.stderr and "export HF_TOKEN=" in r.stderr
+    assert not cloud.calls("create") and not cloud.calls("storage")
+
+
+def test_bucket_the_submitting_account_cannot_list_is_refused(cloud, tmp_path):
+    cloud.scenario([{"states": ["ACTIVE"]}], denied=["storage"])
+    r = hpcrl("submit", "--site", "tputest", "--trainer", "smoke", "--name", "nob", check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "cannot list gs://fake-bucket with your gcloud account" in r.stderr and "PERMISSION_DENIED" in r.stderr
+    assert not cloud.calls("create") and "nob" not in hpcrl("status").stdout

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomicio import atomic_write_json, atomic_write_text
-from ..errors import BackendError, SiteError, one_of
+from ..errors import BackendError, SiteError, SpecError, one_of
+from ..names import gs_url_problem
 from ..runs import RunLayout
 from ..shell import q
 from ..proc import run_command, stderr_tail
@@ -74,7 +75,7 @@ def check_site(site: dict) -> None:
     """Every value the tpu backend needs, with a one-line fix for the first that is wrong."""
     name = site.get("name")
     fixes = {"project": "P (or `gcloud config set project P`)", "zone": "Z (or `gcloud config set compute/zone Z`)",
-             "bucket": "gs://YOUR_BUCKET (create it: gcloud storage buckets create gs://NAME --location=REGION)",
+             "bucket": "gs://NAME (create it: gcloud storage buckets create gs://NAME --location=REGION)",
              "accelerator_type": "v5p-8", "runtime_version": "v2-alpha-tpuv5"}
     for key, pattern in (("project", _PROJECT_RE), ("zone", _ZONE_RE), ("accelerator_type", _ACCEL_RE),
                          ("runtime_version", _RUNTIME_RE), ("bucket", _BUCKET_RE)):
@@ -83,6 +84,9 @@ def check_site(site: dict) -> None:
             raise SiteError(f"site '{name}': {key} is not set; pass --set site.{key}={fixes[key]}")
         if not isinstance(value, str) or not pattern.match(value):
             raise SiteError(f"site '{name}': {key} {value!r} is not valid; e.g. --set site.{key}={fixes[key]}")
+    problem = gs_url_problem(site["bucket"])
+    if problem:
+        raise SiteError(f"site '{name}': bucket {site['bucket']} {problem}; e.g. --set site.bucket={fixes['bucket']}")
     if site.get("provisioning") not in PROVISIONING:
         raise SiteError(f"site '{name}': provisioning {site.get('provisioning')!r} must be one of {one_of(PROVISIONING)}")
     retries = site.get("max_retries")
@@ -248,6 +252,16 @@ def explain(message: str, site: dict) -> str | None:
 # ---------------------------------------------------------------- the VM startup script (pure)
 
 
+def check_gs_paths(text: str) -> None:
+    """Every gs:// path in a rendered script names a real-looking bucket (no recipe placeholder):
+    a run that would fail on the VM, after a VM was provisioned, is refused here."""
+    for url in sorted(set(re.findall(r"gs://[^\s'\"]*", text))):
+        problem = gs_url_problem(url)
+        if problem:
+            raise SpecError(f"the rendered job uses {url}, which {problem}: set the spec's path to your bucket's "
+                            f"(or site.bucket: --set site.bucket=gs://NAME)")
+
+
 def segment_seconds(hours: float) -> int:
     return max(1, round(float(hours) * 3600))
 
@@ -408,6 +422,9 @@ class TpuBackend(Backend):
         tdir.mkdir(exist_ok=True)
         n = 1 + len(list(tdir.glob("*.json")))  # called inside the run's lock: no race
         qr_id = qr_name(run_dir.name, n)
+        if n == 1:  # the first create: refuse what could only fail on the VM
+            check_gs_paths(run.layout.script.read_text(encoding="utf-8"))
+            self.check_bucket()
         startup = tdir / f"{qr_id}.startup.sh"
         atomic_write_text(startup, render_startup(resolved, run_dir.name, qr_id), mode=0o644)
         self.stage(run_dir)
@@ -419,6 +436,14 @@ class TpuBackend(Backend):
                                                    "closed": None, "outcome": None,
                                                    "stall_s": stall_seconds(self.site, resolved["spec"]["budget"]["hours"])})
         return qr_id
+
+    def check_bucket(self) -> None:
+        """The submitting account can list the bucket (the run's files are uploaded there next)."""
+        res = self.gcloud(["gcloud", "storage", "ls", self.site["bucket"]], check=False, timeout_s=60)
+        if res.returncode != 0:
+            raise BackendError(f"cannot list {self.site['bucket']} with your gcloud account ({stderr_tail(res)}): "
+                               f"create it (gcloud storage buckets create {self.site['bucket']} --location=REGION) "
+                               f"or get roles/storage.objectAdmin on it")
 
     def stage(self, run_dir: Path) -> None:
         """Upload the run's launcher-owned files (spec, job.sh, hpcrl snapshot, trainer files)."""

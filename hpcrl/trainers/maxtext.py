@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 from ..errors import SpecError, did_you_mean
+from ..names import gs_url_problem
 from ..schemas import Bool, Choice, Float, Int, Schema, Str, StrList
 from .base import Trainer, TrainerContext, check_override_keys
 
@@ -43,6 +44,13 @@ LOSS_ALGO = {"grpo": "grpo", "gspo": "gspo-token"}
 # Keys hpcrl renders itself: a user override would break resume or placement.
 OWNED_KEYS = ("run_name", "base_output_directory", "chips_per_vm", "load_parameters_path",
               "enable_checkpointing", "checkpoint_period", "loss_algo", "hf_access_token")
+# The recipes' example bucket: replaced by the site's bucket (site.bucket) wherever a path starts with it
+PLACEHOLDER_BUCKET = "gs://YOUR_BUCKET"
+# Models whose Hugging Face repositories are gated (their tokenizer is fetched from the Hub when
+# tokenizer_path is null): a token of an account that accepted the licence is needed.
+GATED_MODELS = re.compile(r"^(llama|gemma)", re.I)
+GATED_TOKENIZERS = re.compile(r"^(meta-llama|google)/", re.I)
+TOKEN_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker (where it cannot rename: GCS)
 _KEY = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 
@@ -92,8 +100,21 @@ class MaxTextTrainer(Trainer):
         # tpu-post-train brings tunix and vLLM-TPU; MaxText needs Python >= 3.12 on the VM
         return [f"maxtext[tpu-post-train]=={MAXTEXT_VERSION}"]
 
+    def check_submit(self, args: dict, world: int) -> None:
+        import os
+
+        if needs_hf_token(args) and not any(os.environ.get(k) for k in TOKEN_NAMES):
+            raise SpecError(f"model {args['model_name']} is gated on Hugging Face (its tokenizer comes from the Hub) "
+                            "and HF_TOKEN is not set in this shell: `export HF_TOKEN=hf_...` (an account that "
+                            "accepted the model's licence), then submit again")
+
     def output_dir(self, ctx: TrainerContext) -> str:
-        return ctx.args["base_output_directory"] or str(Path(ctx.run_dir) / "maxtext")
+        """base_output_directory; null: <site.bucket>/hpcrl on a site with a bucket (TPU), else
+        <run dir>/maxtext."""
+        given = ctx.args["base_output_directory"]
+        if given is None and ctx.site.get("bucket"):
+            given = f"{ctx.site['bucket'].rstrip('/')}/hpcrl"
+        return site_path(given, ctx.site, "base_output_directory") if given else str(Path(ctx.run_dir) / "maxtext")
 
     def keys(self, ctx: TrainerContext) -> dict:
         """The key=value pairs of the command line, in order."""
@@ -109,8 +130,10 @@ class MaxTextTrainer(Trainer):
                "enable_checkpointing": "true", "checkpoint_period": checkpoint_period(a),
                "max_num_checkpoints_to_keep": a["max_num_checkpoints_to_keep"]}
         if a["load_parameters_path"] is not None:  # null: random initialisation (MaxText rejects an empty value)
-            out["load_parameters_path"] = a["load_parameters_path"]
-        for key in ("tokenizer_path", "num_batches", "batch_size", "num_generations", "learning_rate", "num_epoch"):
+            out["load_parameters_path"] = site_path(a["load_parameters_path"], ctx.site, "load_parameters_path")
+        if a["tokenizer_path"] is not None:
+            out["tokenizer_path"] = site_path(a["tokenizer_path"], ctx.site, "tokenizer_path")
+        for key in ("num_batches", "batch_size", "num_generations", "learning_rate", "num_epoch"):
             if a[key] is not None:
                 out[key] = a[key]
         return out
@@ -128,7 +151,9 @@ class MaxTextTrainer(Trainer):
                   "--eval", "every" if a["eval_every_segment"] else "first"]
         if a["step_time_s"]:
             launch += ["--step-time-s", f"{float(a['step_time_s']):g}"]
-        return [*launch, "--", *pairs, *a["overrides"]]
+        overrides = [f"{k}={site_path(v, ctx.site, f'overrides ({k})')}" for k, _, v in
+                     (ov.partition("=") for ov in a["overrides"])]
+        return [*launch, "--", *pairs, *overrides]
 
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # HF_TOKEN comes from the user's env, never the spec
@@ -176,6 +201,28 @@ class MaxTextTrainer(Trainer):
         """MaxText's checkpoint_dir (types.py: base/run_name/checkpoints/); Tunix writes the steps
         under its actor/ sub-directory."""
         return f"{self.output_dir(ctx).rstrip('/')}/{ctx.args['run_name'] or ctx.run_id}/checkpoints"
+
+
+def site_path(value: str, site: dict, key: str) -> str:
+    """A path of the spec as the job gets it: the recipes' placeholder bucket (gs://YOUR_BUCKET)
+    becomes the site's bucket; a gs:// path that is still a placeholder or invalid is refused."""
+    if not isinstance(value, str) or not value.startswith("gs://"):
+        return value
+    if (value == PLACEHOLDER_BUCKET or value.startswith(PLACEHOLDER_BUCKET + "/")) and site.get("bucket"):
+        value = site["bucket"].rstrip("/") + value[len(PLACEHOLDER_BUCKET):]
+    problem = gs_url_problem(value)
+    if problem:
+        raise SpecError(f"args.{key}: {value} {problem}; give your bucket's path (one that starts with "
+                        f"{PLACEHOLDER_BUCKET} takes site.bucket: --set site.bucket=gs://NAME)")
+    return value
+
+
+def needs_hf_token(args: dict) -> bool:
+    """Whether the run fetches a gated model's files from the Hub (its tokenizer, by MaxText's HF id)."""
+    tokenizer = args.get("tokenizer_path")
+    if tokenizer is None:
+        return bool(GATED_MODELS.match(str(args.get("model_name") or "")))
+    return bool(GATED_TOKENIZERS.match(str(tokenizer)))
 
 
 def checkpoint_period(a: dict) -> int:

@@ -87,7 +87,7 @@ trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpoint
 trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
 (
   trap : USR1 TERM INT
-  "$trainer_py" /var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/maxtext/launch.py --python "$trainer_py" --ckpt-root gs://YOUR_BUCKET/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items num_batches=3738
+  "$trainer_py" /var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/maxtext/launch.py --python "$trainer_py" --ckpt-root gs://hpcrl-demo-bucket/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://hpcrl-demo-bucket/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://hpcrl-demo-bucket/llama3.1-8b-maxtext/0/items num_batches=3738
   echo "$?" > "$rc_file"
 ) &
 runner=$!
@@ -145,6 +145,9 @@ hpcrl_py=/usr/bin/python3
 segment_s=14400
 signal_lead_s=300
 kill_grace_s=30
+# No report to the bucket for this long (the segment, its grace and site.report_margin_s): the VM
+# deletes itself, and the watcher deletes a VM it has not heard from for as long.
+stall_s=15330
 # The storage command and the copy period are variables so that tests can map gs:// to a local
 # directory and copy often.
 : "${HPCRL_GS:=gcloud storage}"
@@ -164,11 +167,27 @@ sync_up() {
   gs cp "$run_dir/state.json" "$run_uri/jobs/$HPCRL_JOB_ID/${1:-state}.json" >/dev/null 2>&1
 }
 give_up() {
-  echo "hpcrl: $1"
+  echo "hpcrl: $1; deleting queued resource $HPCRL_JOB_ID (an idle TPU VM bills)"
   gs cp "$log" "$run_uri/logs/" >/dev/null 2>&1
-  gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1
+  gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1 ||
+    echo "hpcrl: could not delete the queued resource (the VM's account lacks roles/tpu.admin); the watcher will"
   exit 1
 }
+
+# The heartbeat, from boot to the end: the watcher deletes a VM whose heartbeat stops (one that
+# cannot write the bucket never sends one), and the VM deletes itself when it cannot send it
+# for stall_s (a dead man's switch; job.sh's own hangs end at its deadline).
+beat_file="$run_dir/.hpcrl-heartbeat"
+touch "$beat_file"
+(
+  while :; do
+    date +%s | gs cp - "$run_uri/jobs/$HPCRL_JOB_ID/heartbeat" >/dev/null 2>&1 && touch "$beat_file"
+    [ $(( $(date +%s) - $(stat -c %Y "$beat_file") )) -le "$stall_s" ] ||
+      give_up "no report could reach $run_uri for ${stall_s}s"
+    sleep "$HPCRL_SYNC_S"
+  done
+) &
+heart=$!
 
 # 1. The run's files: spec, job.sh, hpcrl's snapshot, checkpoints (not old logs or VM states).
 gs rsync --recursive --exclude='^(logs|jobs)/.*$' "$run_uri" "$run_dir" >/dev/null ||
@@ -227,6 +246,8 @@ if [ -z "$terminated" ]; then
   echo "hpcrl: segment over; deleting queued resource $HPCRL_JOB_ID"
 fi
 sync_up final
+pkill -P "$heart" 2>/dev/null
+kill "$heart" 2>/dev/null
 if [ -z "$terminated" ]; then
   gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1 || echo "hpcrl: could not delete the queued resource; the watcher will"
 fi
