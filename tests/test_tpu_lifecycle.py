@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from helpers import hpcrl, read_metrics, run_dir, run_state, started
+from helpers import ROOT, hpcrl, read_metrics, run_dir, run_state, started
 
 FAKE = Path(__file__).resolve().parent / "fake_gcloud"
+RECIPES = ROOT / "hpcrl" / "recipes"
 QUOTA = "Quota limit 'TPUV5PPreemptiblePodPerProjectPerZone' exceeded. Limit: 0 in zone us-east5-a"
 
 
@@ -111,15 +113,16 @@ def test_accepted_active_deadline_resubmit_resume_done(cloud):
     assert len(ran) >= 2, "the 5 s segment deadline cut the 3 s of training"
     assert all(s["state"] == "CONTINUE" and s["rc"] == 85 for s in ran[:-1]) and ran[-1]["state"] == "COMPLETE"
     assert_resumed_exactly(state, 30, rdir)
-    # one queued resource per segment, each created with the rendered startup script, each deleted
+    # one queued resource for the whole run, created with the rendered startup script: its VM ran
+    # every segment (the deadline stopped the trainer, not the VM) and deleted itself at the end
     creates = cloud.calls("create")
-    assert [a[5] for a in creates] == [s["job_id"] for s in state["segments"]]
+    assert [a[5] for a in creates] == ["hpcrl-dl-1"]
+    assert [s["job_id"] for s in state["segments"]] == ["hpcrl-dl-1", *(f"hpcrl-dl-1.{m}" for m in range(2, len(ran) + 1))]
     assert all("--spot" in a and f"--metadata-from-file=startup-script={rdir}/.tpu/{a[5]}.startup.sh" in a
                for a in creates)
-    for qr in cloud.qrs().values():
-        assert qr.get("deleted"), f"{qr['id']} was not deleted"
-    assert any(a[-3:] == ["--force", "--quiet", "--async"] for a in cloud.calls("delete"))
-    # the later VM (fresh disk) resumed from the checkpoint it fetched from the bucket
+    assert cloud.qrs()["hpcrl-dl-1"].get("deleted")
+    assert [a[-3:] for a in cloud.vm_calls("delete", vm=True)] == [["--force", "--quiet", "--async"]]
+    assert "the run goes on here: segment job hpcrl-dl-1.2" in (rdir / "logs" / "job-hpcrl-dl-1.log").read_text()
     second_log = (rdir / "logs" / f"job-{ran[1]['job_id']}.log").read_text()
     assert f"smoke: segment 2 starts at step {ran[0]['end_step']} of 30" in second_log
     assert "smoke: done at step 30" in hpcrl("logs", "dl").stdout
@@ -227,8 +230,8 @@ def test_logs_follow_reads_the_bucket_copy_with_hostile_vm_path_and_odd_run_name
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "smoke: segment 1 starts at step 0 of 60" in out and "smoke: segment 2 starts at step" in out
-    assert out.rstrip().endswith("hpcrl: segment over; deleting queued resource " + run_state("Odd_Run.v2")
-                                 ["segments"][-1]["job_id"])
+    assert out.rstrip().endswith("hpcrl: the run needs no more segments; deleting queued resource " +
+                                 run_state("Odd_Run.v2")["segments"][0]["job_id"])
     state = run_state("Odd_Run.v2")
     assert state["state"] == "COMPLETED"
     job = state["segments"][0]["job_id"]
@@ -355,3 +358,31 @@ def test_bucket_the_submitting_account_cannot_list_is_refused(cloud, tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "cannot list gs://fake-bucket with your gcloud account" in r.stderr and "PERMISSION_DENIED" in r.stderr
     assert not cloud.calls("create") and "nob" not in hpcrl("status").stdout
+
+
+@pytest.mark.parametrize("preempt_after_s, creates", [(None, 1), (7.0, 2)], ids=["no-preemption", "one-preemption"])
+def test_recipe_budget_makes_one_create_per_vm_not_per_segment(cloud, preempt_after_s, creates):
+    # maxtext-llama3.1-8b-grpo's budget (4-hour segments, 12 hours, at most 4 segments) scaled by
+    # 0.0015/4 to 5-second segments; the smoke trainer stands in for MaxText, which cannot run
+    # here. A TPU VM has no walltime: the segments' deadlines stop the trainer (checkpoint, exit 85)
+    # and the next segment starts on the same VM. A VM is created again only after a preemption.
+    budget = yaml.safe_load((RECIPES / "maxtext-llama3.1-8b-grpo.yaml").read_text())["budget"]
+    assert (budget["hours"], budget["total_hours"], budget["max_segments"]) == (4, 12, 4)
+    scale = 0.0015 / budget["hours"]
+    first = {"states": ["ACCEPTED", "ACTIVE"], **({"preempt_after_s": preempt_after_s} if preempt_after_s else {})}
+    cloud.scenario([first, {"states": ["ACCEPTED", "ACTIVE"]}])
+    submit("twelve", "--hours", f"{budget['hours'] * scale:g}", "--total-hours", f"{budget['total_hours'] * scale:g}",
+           "--max-segments", str(budget["max_segments"]), "--set", "args.steps=100000",
+           "--set", "args.step_time_s=0.1", "--set", "args.save_every=5")
+    rc, out = watch_until_done("twelve", timeout=150)
+    state = run_state("twelve")
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] in ("budget", "max_segments"), out
+    ran = started(state)
+    assert len(ran) >= 3, [s["job_id"] for s in state["segments"]]
+    assert len(cloud.calls("queued-resources", "create")) == creates, [s["job_id"] for s in state["segments"]]
+    vms = sorted({s["job_id"].split(".")[0] for s in ran})
+    assert vms == [f"hpcrl-twelve-{n}" for n in range(1, creates + 1)]
+    for prev, nxt in zip(ran, ran[1:]):
+        assert nxt["start_step"] == prev["end_step"] > 0, f"segment {nxt['k']} resumed where {prev['k']} stopped"
+    for qr in cloud.qrs().values():
+        assert qr.get("deleted"), f"{qr['id']} was left to bill"

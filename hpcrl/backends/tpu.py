@@ -325,6 +325,14 @@ class TpuBackend(Backend):
     def job_layout(self, run_id: str, layout):
         return RunLayout(vm_run_dir(self.site, run_id))
 
+    def next_job_here(self, state: dict, job_id: str) -> str:
+        """The VM runs the run's next segment itself (one VM per run, re-created only after a
+        preemption or a failure): segment m of queued resource Q is job Q.m."""
+        from .tpu_watch import vm_jobs
+
+        qr = job_id.split(".", 1)[0]
+        return f"{qr}.{len(vm_jobs(qr, [s.get('job_id') for s in state['segments']])) + 1}"
+
     def submit_hint(self, run_id: str) -> list[str]:
         return [f"  keep `hpcrl watch {run_id}` running (e.g. under nohup): it starts each next segment and "
                 "re-creates preempted VMs"]

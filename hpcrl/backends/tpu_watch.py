@@ -47,6 +47,11 @@ LAST_TICK = "last-tick"  # in the run's .tpu dir: when a watcher last looked (st
 # ---------------------------------------------------------------- per-QR records
 
 
+def vm_jobs(qr_id: str, job_ids) -> list[str]:
+    """The segment job ids that ran on queued resource qr_id's VM: qr_id itself, then qr_id.2, ..."""
+    return [j for j in job_ids if j == qr_id or (j or "").startswith(qr_id + ".")]
+
+
 def _dir(run):
     return run.layout.private("tpu")
 
@@ -137,7 +142,8 @@ def _observe(run, backend, ops, rec: dict) -> None:
            "failed": "ended: its queued resource FAILED", "cancelled": "ended: the run was cancelled",
            "done": "ended (its VM was gone before it finished)", "silent": "ended: its VM never reported",
            "hung": f"ended: no heartbeat from its VM for {rec.get('stall_s')} s (deleted)"}[outcome]
-    ops.close_segment(run, qr, why)  # a no-op when the VM closed the segment itself
+    for job in vm_jobs(qr, [s.get("job_id") for s in run.state()["segments"]]):
+        ops.close_segment(run, job, why)  # a no-op for those the VM closed itself
     _close_record(run, rec, outcome)
     with run.locked() as state:
         lifecycle.add_event(state, f"queued resource {qr} closed: {outcome} ({raw})", time.time())
@@ -191,14 +197,22 @@ def _pull(run, backend, ops, qr: str) -> bool:
 
 
 def _merge(run, qr: str, vm: dict) -> None:
-    """Adopt what the VM recorded for its segment (and the run's state while it is active here:
-    a local cancel wins over whatever the VM still believed)."""
-    vseg = lifecycle.segment_by_job(vm, qr)
+    """Adopt what the VM recorded for the segments it ran (it queues each next one itself, so
+    some are new here), and the run's state while it is active here: a local cancel wins over
+    whatever the VM still believed."""
     with run.locked() as state:
-        seg = lifecycle.segment_by_job(state, qr)
-        if vseg is None or seg is None or seg["state"] in (SegState.CANCELLED, SegState.LOST):
-            return
-        seg.update({k: vseg[k] for k in SEG_FIELDS_FROM_VM if k in vseg})
+        for vseg in vm.get("segments", []):
+            if not vm_jobs(qr, [vseg.get("job_id")]):
+                continue
+            seg = lifecycle.segment_by_job(state, vseg["job_id"])
+            if seg is None:
+                if not lifecycle.is_active(state):
+                    continue
+                seg = {k: vseg[k] for k in ("job_id", "submitted", "after", "asked") if k in vseg}
+                state["segments"].append(seg)
+            elif seg["state"] in (SegState.CANCELLED, SegState.LOST):
+                continue
+            seg.update({k: vseg[k] for k in SEG_FIELDS_FROM_VM if k in vseg})
         if lifecycle.is_active(state) and vm.get("state"):
             state["state"], state["reason"] = vm["state"], vm.get("reason", "")
             state["stop"] = vm.get("stop")

@@ -128,16 +128,21 @@ exit "$rc"
 # RUN_DIR/.tpu/hpcrl-maxtext-llama3-1-8b-gspo-310354-1.startup.sh: the VM's startup script (--metadata-from-file=startup-script=...)
 # ============================================================================
 #!/bin/bash
-# hpcrl TPU VM startup script: run maxtext-llama3.1-8b-gspo, segment job hpcrl-maxtext-llama3-1-8b-gspo-310354-1, site tpu-v5p-8.
+# hpcrl TPU VM startup script: run maxtext-llama3.1-8b-gspo, queued resource hpcrl-maxtext-llama3-1-8b-gspo-310354-1, site tpu-v5p-8.
 # Rendered by hpcrl 0.1.0; passed to `queued-resources create` as the startup-script
 # metadata, so the VM runs it as root on every boot. What it does: fetch the run's files from the
-# bucket, wait for the launcher's state that lists this job, run the SAME segment script (job.sh)
-# every backend runs with a deadline (USR1 before it, TERM at it, KILL after the grace), copy
-# logs, state, metrics and checkpoints back to the bucket while it works and when it ends, then
-# delete its own queued resource when the segment ended by itself (an idle TPU VM bills).
+# bucket, wait for the launcher's state that lists this job, then run the run's segments on this
+# one VM, one after the other: each the SAME segment script (job.sh) every backend runs, with a
+# deadline (USR1 before it, TERM at it, KILL after the grace), so that the trainer checkpoints
+# and stops and the next segment starts here, on the same disk and venv (a TPU VM has no
+# walltime: re-creating it would re-queue for capacity and rebuild everything). Logs, state,
+# metrics and checkpoints go to the bucket while it works; when the run needs no more segments
+# the VM deletes its own queued resource (an idle TPU VM bills). A preemption (TERM) ends it:
+# the watcher re-creates it and the new VM resumes from the bucket.
 set -uo pipefail
 
-export HPCRL_JOB_ID=hpcrl-maxtext-llama3-1-8b-gspo-310354-1
+export HPCRL_QR=hpcrl-maxtext-llama3-1-8b-gspo-310354-1   # this VM's queued resource; its first segment's job id
+export HPCRL_JOB_ID="$HPCRL_QR"
 run_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-gspo/run
 secrets_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-gspo/secrets.env
 run_dir=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo
@@ -164,10 +169,10 @@ echo "hpcrl: VM $(hostname) starts segment job $HPCRL_JOB_ID"
 sync_up() {
   gs rsync --recursive --exclude='^(state\.json|\.lock|lib/.*|.*\.tmp-.*)$' "$run_dir" "$run_uri" >/dev/null 2>&1 ||
     echo "hpcrl: copying to $run_uri failed; retrying later"
-  gs cp "$run_dir/state.json" "$run_uri/jobs/$HPCRL_JOB_ID/${1:-state}.json" >/dev/null 2>&1
+  gs cp "$run_dir/state.json" "$run_uri/jobs/$HPCRL_QR/${1:-state}.json" >/dev/null 2>&1
 }
 give_up() {
-  echo "hpcrl: $1; deleting queued resource $HPCRL_JOB_ID (an idle TPU VM bills)"
+  echo "hpcrl: $1; deleting queued resource $HPCRL_QR (an idle TPU VM bills)"
   gs cp "$log" "$run_uri/logs/" >/dev/null 2>&1
   gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1 ||
     echo "hpcrl: could not delete the queued resource (the VM's account lacks roles/tpu.admin); the watcher will"
@@ -181,7 +186,7 @@ beat_file="$run_dir/.hpcrl-heartbeat"
 touch "$beat_file"
 (
   while :; do
-    date +%s | gs cp - "$run_uri/jobs/$HPCRL_JOB_ID/heartbeat" >/dev/null 2>&1 && touch "$beat_file"
+    date +%s | gs cp - "$run_uri/jobs/$HPCRL_QR/heartbeat" >/dev/null 2>&1 && touch "$beat_file"
     [ $(( $(date +%s) - $(stat -c %Y "$beat_file") )) -le "$stall_s" ] ||
       give_up "no report could reach $run_uri for ${stall_s}s"
     sleep "$HPCRL_SYNC_S"
@@ -210,40 +215,53 @@ if secrets=$(gs cat "$secrets_uri" 2>/dev/null); then
 fi
 unset secrets
 
-# 4. The segment, in its own session so that the walltime can stop all of it.
-export HPCRL_JOB_END_TIME=$(( $(date +%s) + segment_s ))
+# 4. The segments, each in its own session so that the walltime can stop all of it.
 ( while sleep "$HPCRL_SYNC_S"; do sync_up; done ) &
 syncer=$!
-setsid bash "$run_dir/job.sh" &
-job=$!
+job=""
 terminated=""
 # SIGTERM: the VM is shutting down (spot preemption with ~30 s notice, or deletion).
 trap 'terminated=1; echo "hpcrl: TERM (preemption or deletion): stopping the segment"; kill -TERM -- "-$job" 2>/dev/null' TERM
-(
-  until_t() { local s=$(( $1 - $(date +%s) )); [ "$s" -gt 0 ] && sleep "$s"; }
-  until_t $(( HPCRL_JOB_END_TIME - signal_lead_s )); kill -USR1 "$job" 2>/dev/null
-  until_t "$HPCRL_JOB_END_TIME"; kill -TERM -- "-$job" 2>/dev/null
-  until_t $(( HPCRL_JOB_END_TIME + kill_grace_s )); kill -KILL -- "-$job" 2>/dev/null
-) &
-timer=$!
-# `wait` returns early when a trap fires; wait again until job.sh has really exited, then once
-# more for its own status (bash keeps a reaped child's status).
-while kill -0 "$job" 2>/dev/null; do
+while :; do
+  export HPCRL_JOB_END_TIME=$(( $(date +%s) + segment_s ))
+  setsid bash "$run_dir/job.sh" &
+  job=$!
+  (
+    until_t() { local s=$(( $1 - $(date +%s) )); [ "$s" -gt 0 ] && sleep "$s"; }
+    until_t $(( HPCRL_JOB_END_TIME - signal_lead_s )); kill -USR1 "$job" 2>/dev/null
+    until_t "$HPCRL_JOB_END_TIME"; kill -TERM -- "-$job" 2>/dev/null
+    until_t $(( HPCRL_JOB_END_TIME + kill_grace_s )); kill -KILL -- "-$job" 2>/dev/null
+  ) &
+  timer=$!
+  # `wait` returns early when a trap fires; wait again until job.sh has really exited, then once
+  # more for its own status (bash keeps a reaped child's status).
+  while kill -0 "$job" 2>/dev/null; do
+    wait "$job"
+  done
   wait "$job"
+  rc=$?
+  pkill -P "$timer" 2>/dev/null
+  kill "$timer" 2>/dev/null
+  echo "hpcrl: segment script exited with code $rc"
+  [ -z "$terminated" ] || break
+  # The run's next segment, on this VM (none when it is complete, failed or out of budget).
+  next=$(PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}" \
+    "$hpcrl_py" -m hpcrl.cli _segment next "$run_dir" --job-id "$HPCRL_JOB_ID") || break
+  [ -z "$terminated" ] || break
+  read -r HPCRL_JOB_ID segment_s <<<"$next"
+  echo "hpcrl: the run goes on here: segment job $HPCRL_JOB_ID"
+  exec >>"$run_dir/logs/job-$HPCRL_JOB_ID.log" 2>&1
+  echo "hpcrl: VM $(hostname) (queued resource $HPCRL_QR) starts segment job $HPCRL_JOB_ID"
+  sync_up
 done
-wait "$job"
-rc=$?
-for p in "$timer" "$syncer"; do
-  pkill -P "$p" 2>/dev/null
-  kill "$p" 2>/dev/null
-done
-echo "hpcrl: segment script exited with code $rc"
+pkill -P "$syncer" 2>/dev/null
+kill "$syncer" 2>/dev/null
 
 # 5. Everything to the bucket; final.json, written last, tells the watcher the copy is complete.
 # The log's last line is written before that copy: the watcher may finish the segment (and
 # `hpcrl logs -f` stop) as soon as final.json lands.
 if [ -z "$terminated" ]; then
-  echo "hpcrl: segment over; deleting queued resource $HPCRL_JOB_ID"
+  echo "hpcrl: the run needs no more segments; deleting queued resource $HPCRL_QR"
 fi
 sync_up final
 pkill -P "$heart" 2>/dev/null
