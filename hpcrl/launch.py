@@ -88,7 +88,7 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
         venv=venv_path(site, requirements(resolved)), venv_prebuilt=backend.jobs_share_this_environment,
         requirements=requirements(resolved), venv_build_command=build_command(run_id),
-        nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
+        venv_install=trainer.venv_installer(ctx), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
         exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None))
 
 

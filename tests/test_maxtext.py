@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -331,3 +332,35 @@ def test_metrics_from_tunix_events_reach_hpcrl_records(tmp_path):
     assert [r["step"] for r in last] == [4]  # the newest step waits for the final poll
     for r in recs:
         assert r["trainer"] == "maxtext" and {"loss", "kl", "grad_norm", "reward_mean", "response_len"} <= set(r), r
+
+
+# sha256 of the wheel's own files (its RECORD, urlsafe base64 without padding), which hpcrl ships
+WHEEL_RECORD = {"tpu_post_train_overrides.txt": "AVbTpm53TCrAMoioPHIKvOSbiFpfa1efhh4eBJV7U6Q",
+                "post_train_github_deps.txt": "CjxGLHR1RW4QaPMVegh64f9VjTMmRKzyN7igQQUJ8Sc"}
+
+
+def test_tpu_requirement_set_is_maxtexts_documented_install():
+    import base64
+
+    from hpcrl.trainers.maxtext import DEPS_DIR, tpu_github_deps, tpu_requirements, venv_install_script
+
+    for name, digest in WHEEL_RECORD.items():
+        ours = base64.urlsafe_b64encode(hashlib.sha256((DEPS_DIR / name).read_bytes()).digest()).rstrip(b"=").decode()
+        assert ours == digest, f"{name} is not the 0.2.5 wheel's"
+    lines, options = tpu_requirements({"spec": {"requirements": ["wandb==0.19.0"]}})
+    assert lines == ["maxtext[tpu-post-train]==0.2.5", "wandb==0.19.0"]
+    # torch==2.11.0+cpu (the extra's pin) only on PyTorch's CPU index: uv's torch backend, as MaxText's setup.sh
+    assert options[:2] == ["--torch-backend=cpu", "--resolution=lowest"]
+    overrides = Path(options[2].split("=", 1)[1]).read_text()
+    assert options[2].startswith("--override=") and {"jax==0.11.0", "libtpu==0.0.44", "flax==0.12.8"} <= set(overrides.split())
+    deps = tpu_github_deps()
+    assert [d.split(" @ ")[0] for d in deps] == ["google-tunix", "tpu-inference", "vllm"]
+    assert all(re.search(r"[0-9a-f]{40}", d) for d in deps), "each pinned to a commit"
+    script = venv_install_script()
+    for step in ("uv venv --python 3.12 --seed \"$venv\"",
+                 "uv pip install --python \"$venv/bin/python\" --torch-backend=cpu --resolution=lowest "
+                 "--override \"$here/tpu_post_train_overrides.txt\" -r \"$requirements\"",
+                 "install_tpu_post_train_extra_deps\n"):
+        assert step in script, step
+    body = script.split("\nset -euo pipefail\n", 1)[1]  # the commands, after the header's comments
+    assert body.index("uv venv") < body.index("uv pip install --python") < body.index("install_tpu_post_train")

@@ -386,3 +386,30 @@ def test_recipe_budget_makes_one_create_per_vm_not_per_segment(cloud, preempt_af
         assert nxt["start_step"] == prev["end_step"] > 0, f"segment {nxt['k']} resumed where {prev['k']} stopped"
     for qr in cloud.qrs().values():
         assert qr.get("deleted"), f"{qr['id']} was left to bill"
+
+
+def test_second_vm_restores_the_venv_from_the_bucket_not_rebuilt(cloud):
+    # The first VM builds the venv (real python -m venv + pip) and packs it, with the Python under
+    # venv_root, into the run's bucket; it is preempted once that pack is complete; the VM that
+    # replaces it (a fresh disk: the double wipes it) restores the pack and trains at once.
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "tpuvenv.yaml").write_text(f"extends: tputest\nvenv_root: {json.dumps(str(cloud.vm / 'venvs'))}\n"
+                                        f"python: {json.dumps(sys.executable)}\n")
+    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"], "preempt_when_object": "fake-bucket/hpcrl-runs/venv/venv.ok"},
+                    {"states": ["ACCEPTED", "ACTIVE"]}])
+    hpcrl("submit", "--site", "tpuvenv", "--trainer", "smoke", "--name", "venv", "--hours", "0.05",
+          "--set", "requirements=[six]", "--set", "args.steps=300", "--set", "args.step_time_s=0.1",
+          "--set", "args.save_every=5")
+    rc, out = watch_until_done("venv", timeout=300)
+    assert rc == 0, out
+    state, rdir = run_state("venv"), run_dir("venv")
+    assert state["state"] == "COMPLETED" and len(cloud.calls("queued-resources", "create")) == 2
+    first = (rdir / "logs" / "job-hpcrl-venv-1.log").read_text()
+    second = (rdir / "logs" / "job-hpcrl-venv-2.log").read_text()
+    assert "hpcrl: building venv" in first and "hpcrl: venvs packed into gs://fake-bucket/hpcrl-runs/venv/venv.tar" in first
+    assert "hpcrl: venvs restored from gs://fake-bucket/hpcrl-runs/venv/venv.tar" in second
+    assert "building venv" not in second, "the second VM rebuilt the venv"
+    built = int(re.search(r"venv built in (\d+) s", first).group(1))
+    restored = int(re.search(r"venvs restored from \S+ in (\d+) s", second).group(1))
+    print(f"venv start-up on the double: built in {built} s, restored in {restored} s")
+    assert_resumed_exactly(state, 300, rdir)

@@ -138,6 +138,11 @@ def secrets_uri(site: dict, run_id: str) -> str:
     return f"{site['bucket'].rstrip('/')}/hpcrl-runs/{run_id}/secrets.env"
 
 
+def venv_uri(site: dict, run_id: str) -> str:
+    """Where the run's first VM packs its venvs (+ .tar.zst or .tar.gz, and .ok once complete)."""
+    return f"{site['bucket'].rstrip('/')}/hpcrl-runs/{run_id}/venv"
+
+
 def _uri(path: Path) -> str:
     # a RunLayout rooted at gs://b/x gives Path("gs:/b/x/..."): put the double slash back
     return str(path).replace("gs:/", "gs://", 1)
@@ -291,6 +296,7 @@ def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
         signal_lead_s=int(site["signal_lead_s"]), kill_grace_s=int(site["kill_grace_s"]),
         stall_s=stall_seconds(site, resolved["spec"]["budget"]["hours"]),
         delete_command=" ".join(q(a) for a in delete_argv(site, qr_id)),
+        venv_root=site.get("venv_root") or "", venv_uri=venv_uri(site, run_id),
     )
 
 

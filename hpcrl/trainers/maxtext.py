@@ -51,6 +51,19 @@ PLACEHOLDER_BUCKET = "gs://YOUR_BUCKET"
 GATED_MODELS = re.compile(r"^(llama|gemma)", re.I)
 GATED_TOKENIZERS = re.compile(r"^(meta-llama|google)/", re.I)
 TOKEN_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# MaxText's documented install for post-training on TPUs (docs/install_maxtext.md, "From PyPI",
+# option 3; the wheel's dependencies/scripts/setup.sh install_post_training_deps): Python 3.12,
+# `uv pip install maxtext[tpu-post-train] --resolution=lowest` with UV_TORCH_BACKEND=cpu (the
+# extra pins torch==2.11.0+cpu, which only PyTorch's CPU index serves; uv's torch backend sends
+# just the torch packages there), then the wheel's `install_tpu_post_train_extra_deps` (vLLM,
+# tpu-inference and Tunix at the GitHub commits of post_train_github_deps.txt, built for TPU).
+# The wheel's tpu_post_train_overrides.txt (jax 0.11.0, libtpu 0.0.44, flax 0.12.8, ...) is
+# applied as uv overrides, as MaxText's lock generation does (generate_requirements.sh).
+TPU_PYTHON = "3.12"
+TPU_INDEX_OPTIONS = ("--torch-backend=cpu", "--resolution=lowest")
+DEPS_DIR = Path(__file__).parent / "maxtext_deps"  # copied unchanged from the 0.2.5 wheel
+OVERRIDES_FILE, GITHUB_DEPS_FILE = "tpu_post_train_overrides.txt", "post_train_github_deps.txt"
+INSTALL_FILE = "maxtext/install-venv.sh"
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker (where it cannot rename: GCS)
 _KEY = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 
@@ -139,7 +152,12 @@ class MaxTextTrainer(Trainer):
         return out
 
     def files(self, ctx: TrainerContext) -> dict[str, str]:
-        return {LAUNCH_FILE: (Path(__file__).parent / "maxtext_launch.py").read_text(encoding="utf-8")}
+        return {LAUNCH_FILE: (Path(__file__).parent / "maxtext_launch.py").read_text(encoding="utf-8"),
+                INSTALL_FILE: venv_install_script(),
+                f"maxtext/{OVERRIDES_FILE}": (DEPS_DIR / OVERRIDES_FILE).read_text(encoding="utf-8")}
+
+    def venv_installer(self, ctx: TrainerContext) -> str | None:
+        return str(Path(ctx.run_dir) / INSTALL_FILE)
 
     def command(self, ctx: TrainerContext) -> list[str]:
         a = ctx.args
@@ -201,6 +219,58 @@ class MaxTextTrainer(Trainer):
         """MaxText's checkpoint_dir (types.py: base/run_name/checkpoints/); Tunix writes the steps
         under its actor/ sub-directory."""
         return f"{self.output_dir(ctx).rstrip('/')}/{ctx.args['run_name'] or ctx.run_id}/checkpoints"
+
+
+def tpu_requirements(resolved: dict) -> tuple[list[str], list[str]]:
+    """MaxText's TPU post-training requirement set (pure): the requirement lines of the run's venv
+    (the extra, then the spec's own) and the uv options MaxText installs them with (its torch
+    backend, lowest resolution, its overrides file). The GitHub-pinned vLLM / tpu-inference /
+    Tunix commits (`tpu_github_deps`) are installed after them, without dependencies, by the
+    wheel's own command: they are not part of this resolve."""
+    spec = resolved["spec"]
+    lines = [f"maxtext[tpu-post-train]=={MAXTEXT_VERSION}", *(spec.get("requirements") or [])]
+    return lines, [*TPU_INDEX_OPTIONS, f"--override={DEPS_DIR / OVERRIDES_FILE}"]
+
+
+def tpu_github_deps() -> list[str]:
+    """The wheel's post_train_github_deps.txt: what install_tpu_post_train_extra_deps installs."""
+    text = (DEPS_DIR / GITHUB_DEPS_FILE).read_text(encoding="utf-8")
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def venv_install_script() -> str:
+    """RUN/maxtext/install-venv.sh VENV REQUIREMENTS: the venv built as MaxText documents it (the
+    segment script runs it on the TPU VM instead of its generic venv + pip lines)."""
+    opts = " ".join(TPU_INDEX_OPTIONS)
+    return f"""#!/bin/bash
+# MaxText {MAXTEXT_VERSION}'s venv for post-training on a TPU VM, as MaxText documents it
+# (docs/install_maxtext.md "From PyPI", option 3; the wheel's setup.sh install_post_training_deps):
+#   uv venv --python {TPU_PYTHON} --seed VENV
+#   uv pip install {opts} --override {OVERRIDES_FILE} -r REQUIREMENTS
+#     (maxtext[tpu-post-train]=={MAXTEXT_VERSION}: torch==2.11.0+cpu from PyTorch's CPU index via uv's torch
+#     backend; the overrides file is the wheel's dependencies/extra_deps/{OVERRIDES_FILE})
+#   install_tpu_post_train_extra_deps
+#     (the wheel's command: vLLM, tpu-inference and Tunix at the commits of its
+#     {GITHUB_DEPS_FILE}, built for TPU with gcc >= 11, then MaxText's vLLM integration)
+# Written by hpcrl; usage: install-venv.sh VENV REQUIREMENTS
+set -euo pipefail
+venv=$1
+requirements=$2
+here=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
+python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+  # vLLM for TPU is built from source (MaxText's setup.sh installs the same tools)
+  apt-get update -y && apt-get install -y --no-install-recommends gcc-12 g++-12 build-essential cmake ninja-build
+fi
+python3 -m uv venv --python {TPU_PYTHON} --seed "$venv"
+python3 -m uv pip install --python "$venv/bin/python" {opts} --override "$here/{OVERRIDES_FILE}" -r "$requirements"
+(
+  source "$venv/bin/activate"
+  python -m pip install --quiet uv  # the extra-deps command calls `uv` from PATH
+  install_tpu_post_train_extra_deps
+)
+"$venv/bin/python" -c 'import maxtext, jax, vllm, tpu_inference, tunix'
+"""
 
 
 def site_path(value: str, site: dict, key: str) -> str:

@@ -38,6 +38,7 @@ echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hos
 
 # Environment (spec and site; secrets are never written here: they come from the submitting
 # shell's environment)
+export UV_PYTHON_INSTALL_DIR=/var/lib/hpcrl/venvs/python
 export PYTHONUNBUFFERED=1
 
 
@@ -53,13 +54,14 @@ venv=/var/lib/hpcrl/venvs/3bb47bc746f4
 mkdir -p "$(dirname "$venv")"
 (
   flock 9
-  if [ ! -f "$venv/.hpcrl-ready" ]; then
+  if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
     echo "hpcrl: building venv $venv"
+    t0=$SECONDS
     rm -rf "$venv"
-    python3.12 -m venv "$venv" &&
-      "$venv/bin/python" -m pip install --quiet --upgrade pip &&
-      "$venv/bin/python" -m pip install --quiet -r /var/lib/hpcrl/runs/maxtext-llama3.1-8b-grpo/requirements.txt &&
+    # as the trainer's packages document it (the trainer's installer)
+    bash /var/lib/hpcrl/runs/maxtext-llama3.1-8b-grpo/maxtext/install-venv.sh "$venv" /var/lib/hpcrl/runs/maxtext-llama3.1-8b-grpo/requirements.txt &&
       touch "$venv/.hpcrl-ready" || { echo "hpcrl: venv build failed" >&2; exit 1; }
+    echo "hpcrl: venv built in $((SECONDS - t0)) s"
   fi
 ) 9>"$venv.lock" || { "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1; exit 1; }
 source "$venv/bin/activate"
@@ -215,6 +217,31 @@ if secrets=$(gs cat "$secrets_uri" 2>/dev/null); then
 fi
 unset secrets
 
+# 3b. The venvs (and the Python they were built with) under venv_root, packed into the bucket by
+#     the run's first VM once built: a later VM (after a preemption) restores them instead of
+#     rebuilding. venv.ok, written after a complete upload, marks a usable pack.
+venv_root=/var/lib/hpcrl/venvs
+venv_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-grpo/venv
+if command -v zstd >/dev/null; then venv_zip=--zstd; venv_obj="$venv_uri.tar.zst"; else venv_zip=--gzip; venv_obj="$venv_uri.tar.gz"; fi
+packer=""
+if [ -n "$venv_root" ]; then
+  mkdir -p "$venv_root"
+  t0=$SECONDS
+  if gs cat "$venv_uri.ok" >/dev/null 2>&1 && gs cat "$venv_obj" 2>/dev/null | tar -x $venv_zip -C "$venv_root"; then
+    echo "hpcrl: venvs restored from $venv_obj in $((SECONDS - t0)) s (not rebuilt)"
+  else
+    (
+      until compgen -G "$venv_root/*/.hpcrl-ready" >/dev/null; do sleep "$HPCRL_SYNC_S"; done
+      touch "$venv_root.packing"
+      t0=$SECONDS
+      tar -c $venv_zip -C "$venv_root" --exclude='*.lock' . | gs cp - "$venv_obj" >/dev/null 2>&1 &&
+        date +%s | gs cp - "$venv_uri.ok" >/dev/null 2>&1 &&
+        echo "hpcrl: venvs packed into $venv_obj in $((SECONDS - t0)) s" || echo "hpcrl: could not pack the venvs"
+    ) &
+    packer=$!
+  fi
+fi
+
 # 4. The segments, each in its own session so that the walltime can stop all of it.
 ( while sleep "$HPCRL_SYNC_S"; do sync_up; done ) &
 syncer=$!
@@ -256,6 +283,12 @@ while :; do
 done
 pkill -P "$syncer" 2>/dev/null
 kill "$syncer" 2>/dev/null
+if [ -n "$packer" ]; then
+  # a pack under way is finished (a later VM needs it); one still waiting for a venv is not
+  if [ -e "$venv_root.packing" ] && [ -z "$terminated" ]; then wait "$packer"; fi
+  pkill -P "$packer" 2>/dev/null
+  kill "$packer" 2>/dev/null
+fi
 
 # 5. Everything to the bucket; final.json, written last, tells the watcher the copy is complete.
 # The log's last line is written before that copy: the watcher may finish the segment (and
