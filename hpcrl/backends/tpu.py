@@ -1,15 +1,18 @@
 """The tpu backend: single-host Cloud TPU VMs obtained through gcloud queued resources.
 
-One segment = one queued resource (QR) whose VM runs a rendered startup script
-(templates/tpu-startup.sh.j2): fetch the run's files from the bucket, run the same job.sh every
-backend runs under a deadline, copy logs/state/metrics/checkpoints back, delete its own QR.
-A TPU VM cannot queue its successor, so `reconciles_outside_job` is True and tpu_watch.py starts
-each next segment and re-creates preempted VMs.
+One queued resource (QR) per run, re-created only after a preemption or a loss: its VM runs a
+rendered startup script (templates/tpu-startup.sh.j2) that fetches the run's files from the
+bucket and runs the run's segments one after the other (the same job.sh every backend runs, each
+under its deadline; segment m of QR is job QR.m, queued on the VM by `_segment next`), copies
+logs/state/metrics/checkpoints back, sends a heartbeat, and deletes its own QR when the run needs
+no more. A TPU VM cannot re-create itself, so `reconciles_outside_job` is True and tpu_watch.py
+re-creates preempted VMs, deletes silent ones and starts a VM when the run has none.
 
 Bucket layout (run_uri = BUCKET/hpcrl-runs/RUN/run):
     run_uri/...                     the run dir: spec, job.sh, lib/, checkpoints/, logs/, metrics
     run_uri/state.json              published by the launcher before a segment starts
-    run_uri/jobs/QR/state.json      the VM's view while it runs; final.json once it is done
+    run_uri/jobs/QR/state.json      the VM's view while it runs; final.json once it is done; heartbeat
+    BUCKET/hpcrl-runs/RUN/venv.tar.zst (.ok)   venv_root packed by the run's first VM
     BUCKET/hpcrl-runs/RUN/secrets.env   WANDB_API_KEY / HF_TOKEN, shell-quoted (never in the run dir)
 
 Pure functions (`*_argv`, `parse_*`, `explain`, `qr_name`, `render_startup`) are separate from
@@ -340,8 +343,8 @@ class TpuBackend(Backend):
         return f"{qr}.{len(vm_jobs(qr, [s.get('job_id') for s in state['segments']])) + 1}"
 
     def submit_hint(self, run_id: str) -> list[str]:
-        return [f"  keep `hpcrl watch {run_id}` running (e.g. under nohup): it starts each next segment and "
-                "re-creates preempted VMs"]
+        return [f"  keep `hpcrl watch {run_id}` running (e.g. under nohup): it re-creates preempted VMs "
+                "and deletes silent ones"]
 
     def reconcile(self, run, ops, interval_s: float) -> dict:
         from . import tpu_watch

@@ -3,10 +3,13 @@
 One `tick` looks at the run's open queued resource (QR) and acts:
 
     ACCEPTED/WAITING_FOR_RESOURCES/PROVISIONING   wait (the reason shows the QR's state)
-    ACTIVE                                         copy the VM's state, logs and metrics here
-    the VM finished the segment (jobs/QR/final.json in the bucket)
-                                                   delete the QR; the run goes on (next segment),
-                                                   or is COMPLETED / FAILED / STOPPED as the VM decided
+    ACTIVE                                         copy the VM's state (the segments it ran and
+                                                   queued itself), logs and metrics here; delete a
+                                                   VM whose heartbeat stopped for its stall bound
+    the VM finished (jobs/QR/final.json in the bucket)
+                                                   delete the QR; the run is COMPLETED / FAILED /
+                                                   STOPPED as the VM decided (or goes on: a new VM)
+    gone without ever a heartbeat                  the run FAILS: the VM cannot write the bucket
     SUSPENDING                                     wait: the VM is saving and copying
     SUSPENDED (preempted) or gone without finishing
                                                    close the segment, delete the QR, re-create it after
@@ -120,9 +123,12 @@ def _observe(run, backend, ops, rec: dict) -> None:
     raw = st.state if st else "GONE"
     done = _pull(run, backend, ops, qr) if st is None or st.job_state != JobState.PENDING else False
     active = lifecycle.is_active(run.state())
-    silent = _heard(run, backend, rec, raw) if active and not done else False
+    # A run the VM itself ended (COMPLETED, FAILED, STOPPED, adopted from its state) is left to
+    # the VM to finish copying and delete itself; only a cancelled run's VM is deleted here.
+    cancelled = run.state()["state"] == RunState.CANCELLED.value
+    silent = _heard(run, backend, rec, raw) if not cancelled and not done else False
     if not done and not silent and st is not None and raw not in ("SUSPENDED", "FAILED", "DELETING"):
-        if raw != "SUSPENDING" and not active and not rec.get("delete_sent"):
+        if raw != "SUSPENDING" and cancelled and not rec.get("delete_sent"):
             backend.delete(qr)  # a cancelled run's QR (cancel deletes it too; this is idempotent)
             rec["delete_sent"] = True
             _save(run, rec)
@@ -131,7 +137,7 @@ def _observe(run, backend, ops, rec: dict) -> None:
         return  # still queued, running or saving (SUSPENDING)
     if st is not None and raw != "DELETING":
         backend.delete(qr)
-    outcome = _outcome(raw, done, active, rec, silent)
+    outcome = _outcome(raw, done, active, rec, silent, cancelled)
     if outcome == "failed":
         _fail(run, ops, qr, st.error, backend)
     elif outcome == "silent":
@@ -149,13 +155,13 @@ def _observe(run, backend, ops, rec: dict) -> None:
         lifecycle.add_event(state, f"queued resource {qr} closed: {outcome} ({raw})", time.time())
 
 
-def _outcome(raw: str, done: bool, active: bool, rec: dict, silent: bool) -> str:
+def _outcome(raw: str, done: bool, active: bool, rec: dict, silent: bool, cancelled: bool) -> str:
     if done:  # a VM whose job ended while its queued resource was being suspended was preempted too
         return "preempted" if raw in ("SUSPENDING", "SUSPENDED") else "done"
     if raw == "FAILED":
         return "failed"
     if not active:
-        return "cancelled"
+        return "cancelled" if cancelled else "done"
     if raw in ("SUSPENDING", "SUSPENDED"):
         return "preempted"
     if rec.get("beat") is None:

@@ -60,6 +60,9 @@ TOKEN_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # The wheel's tpu_post_train_overrides.txt (jax 0.11.0, libtpu 0.0.44, flax 0.12.8, ...) is
 # applied as uv overrides, as MaxText's lock generation does (generate_requirements.sh).
 TPU_PYTHON = "3.12"
+# The platform to resolve the set for: libtpu 0.0.44 ships only manylinux_2_31 wheels (TPU VM
+# images are Ubuntu 22.04, glibc 2.35); manylinux_2_28 finds no libtpu and fails.
+TPU_PYTHON_PLATFORM = "x86_64-manylinux_2_31"
 TPU_INDEX_OPTIONS = ("--torch-backend=cpu", "--resolution=lowest")
 DEPS_DIR = Path(__file__).parent / "maxtext_deps"  # copied unchanged from the 0.2.5 wheel
 OVERRIDES_FILE, GITHUB_DEPS_FILE = "tpu_post_train_overrides.txt", "post_train_github_deps.txt"
