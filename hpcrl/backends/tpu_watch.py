@@ -198,14 +198,16 @@ def _pull(run, backend, ops, qr: str) -> bool:
     backend.pull_outputs(run.dir)
     ops.refresh_checkpoint_cache(run)  # remote checkpoints (MaxText on gs://) listed here, not by status
     if vm:
-        _merge(run, qr, vm)
+        _merge(run, qr, vm, done)
     return done
 
 
-def _merge(run, qr: str, vm: dict) -> None:
+def _merge(run, qr: str, vm: dict, final: bool) -> None:
     """Adopt what the VM recorded for the segments it ran (it queues each next one itself, so
     some are new here), and the run's state while it is active here: a local cancel wins over
-    whatever the VM still believed."""
+    whatever the VM still believed. The run's end is adopted only from the VM's final copy
+    (final.json, uploaded after its logs): a state copied earlier would end `logs -f` before
+    the VM's last lines are in the bucket."""
     with run.locked() as state:
         for vseg in vm.get("segments", []):
             if not vm_jobs(qr, [vseg.get("job_id")]):
@@ -219,7 +221,8 @@ def _merge(run, qr: str, vm: dict) -> None:
             elif seg["state"] in (SegState.CANCELLED, SegState.LOST):
                 continue
             seg.update({k: vseg[k] for k in SEG_FIELDS_FROM_VM if k in vseg})
-        if lifecycle.is_active(state) and vm.get("state"):
+        ends = vm.get("state") and not lifecycle.is_active(vm)
+        if lifecycle.is_active(state) and vm.get("state") and (final or not ends):
             state["state"], state["reason"] = vm["state"], vm.get("reason", "")
             state["stop"] = vm.get("stop")
             state["no_progress"] = vm.get("no_progress", state["no_progress"])
