@@ -209,10 +209,10 @@ def submit(resolved: dict, run_id: str | None = None) -> Run:
                                                           world_size(resolved["spec"]["resources"]))
     if run_id is not None and run_id in runs.registered_ids():  # before a long venv build, not after
         raise RunError(f"run '{run_id}' already exists; `hpcrl resume {run_id}` continues it, or pick another --name")
-    check_trainer_imports(resolved)
     # On the login side, before anything of the run exists: the job only activates it (compute
     # nodes may mount venv_root read-only), and a failed build leaves no run behind.
     build_venv(resolved)
+    check_trainer_imports(resolved)  # in the interpreter the job will run, now that it exists
     run = create_run(resolved, run_id)
     try:
         with run.locked() as state:
@@ -237,12 +237,20 @@ def asked_of(resolved: dict) -> dict:
 
 
 def check_trainer_imports(resolved: dict) -> None:
-    """What the job's interpreter must import, checked at submit where that interpreter is this
-    machine's and exists already (not a venv the first segment builds, not a TPU VM's)."""
+    """What the job would trip on at its start (the reward imports, the data's columns and rows,
+    the model directory), checked at submit in the job's own interpreter: the run's venv (built on
+    this side already), site.trainer_python or hpcrl's. Only where the job sees this machine's
+    files and interpreters (not a TPU VM's)."""
     site, spec = resolved["site"], resolved["spec"]
-    if not for_site(site).jobs_share_this_environment or venv_path(site, requirements(resolved)):
+    if not for_site(site).jobs_share_this_environment:
         return
-    python = shutil.which(site.get("trainer_python") or site.get("hpcrl_python") or sys.executable)
+    venv = venv_path(site, requirements(resolved))
+    if venv:
+        python = os.path.join(venv, "bin", "python")
+        if not os.access(python, os.X_OK):
+            return  # not built (a dry run); the job says so itself
+    else:
+        python = shutil.which(site.get("trainer_python") or site.get("hpcrl_python") or sys.executable)
     if python:
         env = {**os.environ, **{str(k): str(v) for k, v in (spec.get("env") or {}).items()}}
         get_trainer(spec["trainer"]).check_python(spec["args"], python, env)
