@@ -383,7 +383,8 @@ def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
         actions = lifecycle.end(state, str(job_id), rc, step, clock(), obeys_protocol=_trainer(run, spec).obeys_protocol,
                                 chains=not backend.reconciles_outside_job, exit_complete=protocol.EXIT_COMPLETE,
                                 exit_continue=protocol.EXIT_CONTINUE, error_tail=lambda: error_tail(run, state),
-                                error=protocol.take_error(run.dir))
+                                error=protocol.take_error(run.dir), trained=_trained(run, state, str(job_id)),
+                                own_tail=_own_tail(run, str(job_id)))
         run.layout.checkpointing_flag.unlink(missing_ok=True)
         try:
             _carry_out(run, state, actions, backend)
@@ -392,6 +393,22 @@ def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
             until = _job_end_from_env(spec, environ)
             lifecycle.successor_failed(state, str(e), clock(), until=until)
     keep_successor(run_dir, job_id, until)
+
+
+def _trained(run: Run, state: dict, job_id: str) -> bool | None:
+    """Whether the segment logged a training step (its metrics records carry its number)."""
+    from .results import read_records, segment_timings
+
+    seg = lifecycle.segment_by_job(state, job_id)
+    if seg is None or not seg.get("k"):
+        return None
+    return seg["k"] in segment_timings(read_records(run.layout.metrics))
+
+
+def _own_tail(run: Run, job_id: str) -> str | None:
+    """The last line of this segment's own log that is the trainer's (not hpcrl's)."""
+    tail = error_tail(run, {"segments": [{"job_id": job_id}]}, lines=1)
+    return None if tail == "(no log output)" else tail
 
 
 def error_tail(run: Run, state: dict, lines: int = 3) -> str:

@@ -70,6 +70,7 @@ class Stop(str, enum.Enum):
     QUEUE_FAILED = "queue_failed"    # the next segment could not be submitted
     RETRIES = "retries"              # preempted or lost too often in a row (watched backends)
     BACKEND_FAILED = "backend_failed"  # the scheduler failed the job itself (a TPU queued resource)
+    REPEATED = "repeated"            # failed before its first step with its predecessor's error
 
 
 CRASH_LOOP_SEGMENTS = 2  # segments in a row without checkpoint progress that fail a run
@@ -196,6 +197,8 @@ _TEXT = {  # what a person reads for each stop reason (fields of the stop record
     Stop.RETRIES: ("queued resource preempted or lost {retries} times in a row (site.max_retries={limit}); "
                    "`hpcrl resume {run_id}` tries again"),
     Stop.BACKEND_FAILED: "{error}",
+    Stop.REPEATED: ("segment {k} failed before its first step with the error segment {prev} had: {error}; "
+                    "another segment would fail the same way: fix it, then `hpcrl resume {run_id}`"),
 }
 
 
@@ -243,7 +246,7 @@ def finish(state: dict, stop: dict, now: float, run_id: str = "RUN", error_tail=
         kind = Stop(stop["kind"])
         if kind is Stop.CRASH_LOOP and error_tail is not None and "error" not in stop:
             stop = {**stop, "error": error_tail()}
-        final = {Stop.COMPLETE: RunState.COMPLETED, Stop.CRASH_LOOP: RunState.FAILED,
+        final = {Stop.COMPLETE: RunState.COMPLETED, Stop.CRASH_LOOP: RunState.FAILED, Stop.REPEATED: RunState.FAILED,
                  Stop.BACKEND_FAILED: RunState.FAILED, Stop.CANCELLED: RunState.CANCELLED}.get(kind, RunState.STOPPED)
         _set(state, final, describe(stop, run_id), stop)
         add_event(state, f"run {final.value.lower()}: {state['reason']}", now)
@@ -323,9 +326,12 @@ def needs_successor(state: dict, job_id: str) -> list:
 
 
 def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obeys_protocol: bool,
-        chains: bool, exit_complete: int, exit_continue: int, error_tail=None, error: str | None = None) -> list:
+        chains: bool, exit_complete: int, exit_continue: int, error_tail=None, error: str | None = None,
+        trained: bool | None = None, own_tail: str | None = None) -> list:
     """The trainer of a segment exited with `rc` (`_segment end`). Returns the actions.
-    error: the reason the trainer itself gave for failing (protocol.ERROR_FILE), if any."""
+    error: the reason the trainer itself gave for failing (protocol.ERROR_FILE), if any.
+    trained: whether the segment logged a training step (None: unknown, judged as trained);
+    own_tail: the last line of this segment's own log (what a failure without a reason said)."""
     seg = segment_by_job(state, job_id)
     if seg is None or seg_state(seg) != SegState.RUNNING:
         return []
@@ -344,7 +350,8 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
         error_tail = lambda: error  # noqa: E731 - the trainer's own words beat its log's last lines
     add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}"
               + (f": {error}" if not ok and error else ""), now)
-    stop = _state_stop(state) or budget_stop(state)
+    repeated = None if ok else _repeated(state, seg, trained, error or own_tail)
+    stop = _state_stop(state) or budget_stop(state) or repeated
     if stop:
         return finish(state, stop, now, state["run_id"], error_tail)
     if any(seg_state(s) == SegState.QUEUED for s in state["segments"]):
@@ -357,6 +364,21 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
     # segment when it sees this state.
     _set(state, RunState.RESUBMITTED, "waiting for the next segment to be started")
     return []
+
+
+def _repeated(state: dict, seg: dict, trained: bool | None, failure: str | None) -> dict | None:
+    """A failed segment that never reached its first step, with the error its predecessor ended
+    with (a resume in between included): a start-up failure (an import, the data, the model, the
+    config) that the next segment would repeat after its queue wait. Its stop, or None. The
+    failure's last line is kept with every failed segment (`failure`) for the next to compare."""
+    seg["failure"] = " ".join((failure or "").split())[:400] or None
+    if trained is not False or not seg["failure"]:
+        return None
+    before = [s for s in state["segments"] if s.get("started") and s is not seg and (s.get("k") or 0) < seg["k"]]
+    prev = before[-1] if before else None
+    if prev is None or seg_state(prev) not in (SegState.FAILED, SegState.LOST) or prev.get("failure") != seg["failure"]:
+        return None
+    return {"kind": Stop.REPEATED.value, "k": seg["k"], "prev": prev.get("k"), "error": seg["failure"]}
 
 
 def queue_failed(state: dict, error: str, now: float) -> None:

@@ -221,6 +221,67 @@ def test_a_crash_loop_names_the_trainers_own_reason(chain):
     assert state["reason"].endswith("last error: verl ended at step 16 but its newest checkpoint is step 15")
 
 
+def _failing_segment(run, clock, sched, log: str, trained_steps=(), step=None) -> str:
+    """Run the queued job as a segment that logs `trained_steps` (its metrics records), saves at
+    `step`, prints `log` and exits 1."""
+    job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
+    sched.jobs[job]["state"] = JobState.RUNNING
+    k, _, _ = launch.segment_begin(str(run.dir), job, environ={})
+    clock.advance(600)
+    for n in trained_steps:
+        protocol.append_metrics(run.layout.metrics, {"step": n, "segment": k, "time": clock.now})
+    if step is not None:
+        checkpoint(run, step)
+    run.layout.log(job).write_text(log)
+    launch.segment_end(str(run.dir), job, 1)
+    sched.jobs[job]["state"] = JobState.COMPLETED
+    return job
+
+
+OOM = "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+
+
+def test_a_segment_failing_before_its_first_step_with_its_predecessors_error_ends_the_run(chain):
+    """#29: a start-up failure that repeats the previous segment's error would repeat again after
+    the next queue wait: the run is FAILED at once, with that line, and nothing stays queued."""
+    make_run, clock, sched = chain
+    run = make_run("rep")
+    _failing_segment(run, clock, sched, OOM, trained_steps=range(1, 12), step=10)  # trained, then OOM
+    assert run.state()["state"] == RunState.RESUBMITTED  # progress: not a loop
+    _failing_segment(run, clock, sched, OOM)  # before its first step, the same error
+    state = run.state()
+    assert state["state"] == RunState.FAILED and state["stop"]["kind"] == Stop.REPEATED
+    assert state["reason"].startswith("segment 2 failed before its first step with the error segment 1 had: "
+                                      "torch.OutOfMemoryError: CUDA out of memory")
+    assert "hpcrl resume rep" in state["reason"]
+    assert not lifecycle.live_segments(state) and len([s for s in state["segments"] if s.get("started")]) == 2
+
+
+def test_a_resumed_run_failing_at_start_as_before_stops_after_one_segment(chain):
+    make_run, clock, sched = chain
+    run = make_run("res")
+    for _ in range(2):
+        _failing_segment(run, clock, sched, "ModuleNotFoundError: No module named 'nosuchpkg'\n")
+    assert run.state()["stop"]["kind"] == Stop.CRASH_LOOP  # the first two: the crash loop's words, as before
+    launch.resume("res")
+    _failing_segment(run, clock, sched, "ModuleNotFoundError: No module named 'nosuchpkg'\n")
+    state = run.state()
+    assert state["state"] == RunState.FAILED and state["stop"]["kind"] == Stop.REPEATED
+    assert len([s for s in state["segments"] if s.get("started")]) == 3 and not lifecycle.live_segments(state)
+
+
+@pytest.mark.parametrize("second, trained", [
+    ("RuntimeError: NCCL error: unhandled system error\n", ()),  # another error: may be the node's
+    (OOM, (11, 12)),  # the same error, but after a step: not a start-up failure
+])
+def test_a_failure_that_is_not_a_repeated_start_up_failure_goes_on(chain, second, trained):
+    make_run, clock, sched = chain
+    run = make_run("go")
+    _failing_segment(run, clock, sched, OOM, trained_steps=range(1, 12), step=10)
+    _failing_segment(run, clock, sched, second, trained_steps=trained)
+    assert run.state()["state"] == RunState.RESUBMITTED
+
+
 def test_progress_between_failures_is_no_crash_loop(chain):
     make_run, clock, sched = chain
     run = make_run()

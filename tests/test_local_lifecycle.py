@@ -75,6 +75,26 @@ def test_crash_at_same_step_fails_after_two_segments_without_progress(fast_local
     assert "PENDING" not in live and "RUNNING" not in live
 
 
+def test_a_failure_repeated_before_the_first_step_ends_the_run_after_that_segment(fast_local, tmp_path):
+    """#29: segment 1 trains, saves, then fails; segment 2 fails with the same error before its
+    first step. Today's rule ran a third segment (the crash loop needs two without progress);
+    a start-up failure that repeats its predecessor's error ends the run at once."""
+    flag = tmp_path / "broken"
+    _submit(fast_local, "rep", "--set", "args.steps=200", "--set", "args.step_time_s=0.2",
+            "--set", "args.save_every=5", "--set", f"args.fail_if_exists={flag}")
+    wait_for_step(run_dir("rep"), 6, timeout=120)
+    flag.touch()
+    state = wait_for_run("rep")
+    assert state["state"] == "FAILED" and state["stop"]["kind"] == "repeated", state["reason"]
+    assert state["reason"].startswith(f"segment 2 failed before its first step with the error segment 1 had: "
+                                      f"smoke: error: {flag} exists")
+    first, second = started(state)
+    assert first["state"] == second["state"] == "FAILED" and first["end_step"] >= 5
+    assert second["start_step"] == second["end_step"] == first["end_step"]
+    assert not [s for s in state["segments"] if s["state"] in ("QUEUED", "RUNNING")]
+    assert not [m for m in read_metrics(run_dir("rep")) if m["segment"] == 2], "segment 2 trained no step"
+
+
 def test_cancel_then_resume_completes_from_checkpoint(fast_local):
     _submit(fast_local, "cr", "--hours", "0.01", "--set", "args.steps=30", "--set", "args.step_time_s=0.2")
     time.sleep(3)
