@@ -240,6 +240,19 @@ def cmd_cancel(ns) -> int:
     return 0
 
 
+def cmd_stop(ns) -> int:
+    from . import launch
+
+    run = launch.stop(ns.run)
+    state = run.state()
+    if state["state"] == "STOPPED":
+        print(f"stopped run {run.id}: {state['reason']}")
+    else:
+        print(f"stopping run {run.id}: its segment saves a checkpoint and exits; nothing runs after it "
+              f"(`hpcrl status {run.id}` shows STOPPED once saved; `hpcrl resume {run.id}` continues)")
+    return 0
+
+
 def cmd_sites(ns) -> int:
     from .spec import list_sites, load_site
 
@@ -424,6 +437,9 @@ def build_parser(listing: bool = False) -> argparse.ArgumentParser:
     sp.add_argument("--set", dest="sets", action="append", default=[], metavar="resources.KEY=VALUE",
                     help="other resources of the next segments, e.g. resources.ranks_per_node=2")
     sp.set_defaults(func=cmd_resume)
+    sp = sub.add_parser("stop", help="save a checkpoint now and stop (as at a walltime); `hpcrl resume` continues")
+    sp.add_argument("run", help=RUN_HELP)
+    sp.set_defaults(func=cmd_stop)
     sp = sub.add_parser("cancel", help="cancel a run's running and queued jobs")
     sp.add_argument("run", help=RUN_HELP)
     sp.set_defaults(func=cmd_cancel)

@@ -437,6 +437,20 @@ def cancel(run_id: str) -> Run:
     return run
 
 
+def stop(run_id: str) -> Run:
+    """`hpcrl stop`: the running segment checkpoints and exits as at its walltime (the backend
+    signals it the same way), nothing is queued after it; the run ends STOPPED, resumable."""
+    run = Run.by_id(run_id)
+    backend = backend_for(run)
+    with run.locked() as state:
+        actions, running = lifecycle.stop(state, clock())
+        _carry_out(run, state, actions, backend)
+    if running:
+        backend.checkpoint_stop(list(running), run)
+    backend.after_change(run)
+    return run
+
+
 def resume(run_id: str, hours: float | None = None, total_hours: float | None = None,
            max_segments: int | None = None, nodes: int | None = None, sets: list[str] | None = None) -> Run:
     """Continue a stopped, cancelled or failed run from its last good checkpoint. New hours

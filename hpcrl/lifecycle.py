@@ -71,6 +71,7 @@ class Stop(str, enum.Enum):
     RETRIES = "retries"              # preempted or lost too often in a row (watched backends)
     BACKEND_FAILED = "backend_failed"  # the scheduler failed the job itself (a TPU queued resource)
     REPEATED = "repeated"            # failed before its first step with its predecessor's error
+    USER_STOP = "user_stop"          # `hpcrl stop`: saved and stopped, to be resumed
 
 
 CRASH_LOOP_SEGMENTS = 2  # segments in a row without checkpoint progress that fail a run
@@ -197,6 +198,7 @@ _TEXT = {  # what a person reads for each stop reason (fields of the stop record
     Stop.RETRIES: ("queued resource preempted or lost {retries} times in a row (site.max_retries={limit}); "
                    "`hpcrl resume {run_id}` tries again"),
     Stop.BACKEND_FAILED: "{error}",
+    Stop.USER_STOP: "stopped by the user at checkpoint step {step}; `hpcrl resume {run_id}` continues from it",
     Stop.REPEATED: ("segment {k} failed before its first step with the error segment {prev} had: {error}; "
                     "another segment would fail the same way: fix it, then `hpcrl resume {run_id}`"),
 }
@@ -204,7 +206,8 @@ _TEXT = {  # what a person reads for each stop reason (fields of the stop record
 
 def describe(stop: dict, run_id: str = "RUN") -> str:
     """The text a person reads for a stop reason."""
-    fields = {"error": "(no log output)", **{k: v for k, v in stop.items() if v is not None}, "run_id": run_id}
+    fields = {"error": "(no log output)", "step": "none (it starts over)", **{k: v for k, v in stop.items() if v is not None},
+              "run_id": run_id}
     return _TEXT[Stop(stop["kind"])].format(**fields)
 
 
@@ -276,7 +279,7 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
         # still RUNNING while another starts: it ended without its end hook
         if other is not seg and other.get("state") == SegState.RUNNING.value:
             mark_lost(state, other, step, "ended without its end hook", now)
-    stop = _state_stop(state) or budget_stop(state)
+    stop = _state_stop(state) or _user_stop(state, step) or budget_stop(state)
     if stop:
         seg.update(state=SegState.SKIPPED.value, started=None, ended=now, reason=describe(stop, state["run_id"]))
         return seg, finish(state, stop, now, state["run_id"])
@@ -286,7 +289,8 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
     # A requeued job's successor, queued by its first start, still waits for it (afterany counts
     # the job's final end, not a requeue): one successor per segment, however often it starts.
     successor = any(seg_state(s) == SegState.QUEUED and s.get("after") == str(job_id) for s in state["segments"])
-    return seg, ([Queue(after=str(job_id))] if chains and not successor and budget_stop(state) is None else [])
+    wanted = chains and not successor and budget_stop(state) is None and not state.get("stop_requested")
+    return seg, ([Queue(after=str(job_id))] if wanted else [])
 
 
 def _requeued(state: dict, seg: dict, step: int | None, now: float) -> None:
@@ -317,7 +321,7 @@ def successor_failed(state: dict, error: str, now: float, until: float) -> None:
 def needs_successor(state: dict, job_id: str) -> list:
     """What a job that keeps trying should submit now: its successor, or nothing (the run ended,
     or a successor is queued already)."""
-    if not is_active(state) or not state.get("successor_pending"):
+    if not is_active(state) or not state.get("successor_pending") or state.get("stop_requested"):
         return []
     if any(seg_state(s) == SegState.QUEUED for s in state["segments"]):
         state["successor_pending"] = None
@@ -351,7 +355,7 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
     add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}"
               + (f": {error}" if not ok and error else ""), now)
     repeated = None if ok else _repeated(state, seg, trained, error or own_tail)
-    stop = _state_stop(state) or budget_stop(state) or repeated
+    stop = _state_stop(state) or _user_stop(state, step) or budget_stop(state) or repeated
     if stop:
         return finish(state, stop, now, state["run_id"], error_tail)
     if any(seg_state(s) == SegState.QUEUED for s in state["segments"]):
@@ -381,6 +385,11 @@ def _repeated(state: dict, seg: dict, trained: bool | None, failure: str | None)
     return {"kind": Stop.REPEATED.value, "k": seg["k"], "prev": prev.get("k"), "error": seg["failure"]}
 
 
+def _user_stop(state: dict, step: int | None) -> dict | None:
+    """The stop `hpcrl stop` asked for, once the segment it signalled has ended (or never ran)."""
+    return {"kind": Stop.USER_STOP.value, "step": step} if state.get("stop_requested") else None
+
+
 def queue_failed(state: dict, error: str, now: float) -> None:
     """The next segment could not be submitted: the chain stops, resumable."""
     state["successor_pending"] = None
@@ -405,6 +414,23 @@ def cancel(state: dict, now: float) -> list:
     return actions + ([Cancel(running)] if running else [])
 
 
+def stop(state: dict, now: float) -> tuple[list, tuple]:
+    """`hpcrl stop`: the running segment saves and exits as at its walltime (the caller signals
+    the returned job ids as the walltime would); nothing runs after it. Queued successors are
+    cancelled now; the run is STOPPED, resumable, when that segment ends (at once when none runs)."""
+    if not is_active(state):
+        raise RunError(f"run '{state['run_id']}' is already {state['state']}; nothing to stop")
+    running = tuple(s["job_id"] for s in state["segments"] if seg_state(s) == SegState.RUNNING)
+    state["stop_requested"] = now
+    add_event(state, "stop asked by the user: checkpoint and stop", now)
+    actions = cancel_queued(state, now, why="the run was stopped by the user (hpcrl stop)")
+    if not running:
+        step = max([s["end_step"] for s in state["segments"] if s.get("end_step") is not None], default=None)
+        return actions + finish(state, _user_stop(state, step), now, state["run_id"]), ()
+    _set(state, RunState.CHECKPOINTING, "stopping: the running segment saves a checkpoint and exits (hpcrl stop)")
+    return actions, running
+
+
 def resume(state: dict, now: float, hours: float | None = None, total_hours: float | None = None,
            max_segments: int | None = None) -> list:
     """`hpcrl resume`: continue a stopped, cancelled or failed run (budget changes included)."""
@@ -418,6 +444,7 @@ def resume(state: dict, now: float, hours: float | None = None, total_hours: flo
         if value is not None:
             budget[key] = value
     state["no_progress"] = 0
+    state["stop_requested"] = None
     stop = budget_stop(state)
     if stop:
         raise RunError(f"run '{run_id}': {describe(stop, run_id)}; give it more with "

@@ -282,6 +282,47 @@ def test_a_failure_that_is_not_a_repeated_start_up_failure_goes_on(chain, second
     assert run.state()["state"] == RunState.RESUBMITTED
 
 
+def test_stop_saves_then_stops_with_nothing_after_it_and_resume_continues(chain):
+    """`hpcrl stop`: the running job gets the walltime's signal, the queued successor is cancelled
+    at once, the run is STOPPED (not FAILED, not CANCELLED) when the segment ends for
+    continuation, and resume queues the next segment."""
+    make_run, clock, sched = chain
+    run = make_run("st")
+    first = run.state()["segments"][0]["job_id"]
+    sched.jobs[first]["state"] = JobState.RUNNING
+    launch.segment_begin(str(run.dir), first, environ={})
+    successor = lifecycle.live_segments(run.state())[-1]["job_id"]
+    signalled = []
+    sched.checkpoint_stop = lambda ids, run=None: signalled.extend(ids)
+    launch.stop("st")
+    state = run.state()
+    assert signalled == [first] and state["state"] == RunState.CHECKPOINTING
+    assert sched.jobs[successor]["state"] == JobState.CANCELLED and not [
+        s for s in state["segments"] if s["state"] == SegState.QUEUED]
+    clock.advance(60)
+    checkpoint(run, 17)
+    launch.segment_end(str(run.dir), first, CONTINUE)
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"] == {"kind": "user_stop", "step": 17}
+    assert state["reason"] == "stopped by the user at checkpoint step 17; `hpcrl resume st` continues from it"
+    assert not lifecycle.live_segments(state) and sched.submits == 2
+    with pytest.raises(RunError, match="already STOPPED; nothing to stop"):
+        launch.stop("st")
+    launch.resume("st")
+    assert run.state()["state"] == RunState.PENDING and not run.state()["stop_requested"]
+    segment(run, clock, sched, CONTINUE, 30)
+    assert run.state()["state"] == RunState.RESUBMITTED  # the chain goes on as before
+
+
+def test_stop_of_a_run_whose_segment_has_not_started_stops_it_at_once(chain):
+    make_run, clock, sched = chain
+    run = make_run("sq")
+    launch.stop("sq")
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == "user_stop"
+    assert [s["state"] for s in state["segments"]] == [SegState.CANCELLED]
+
+
 def test_progress_between_failures_is_no_crash_loop(chain):
     make_run, clock, sched = chain
     run = make_run()

@@ -111,6 +111,41 @@ def test_cancel_then_resume_completes_from_checkpoint(fast_local):
     assert last["start_step"] == stopped_at and last["end_step"] == 30
 
 
+# the built-in trainer on its tiny model (tests/rl/rl_helpers.TINY_ARGS, without periodic saves):
+# the only checkpoint a stop can resume from is the one the stop itself makes
+STOP_ARGS = ["model=tiny", "tiny_hidden_size=32", "tiny_layers=1", "tiny_heads=2", "tiny_max_int=100",
+             "prompt_template=tiny", "countdown_min_count=2", "countdown_max_count=2", "countdown_max_number=9",
+             "countdown_max_target=81", "countdown_train_size=64", "countdown_test_size=8", "sft_steps=0",
+             "total_steps=30", "batch_size=4", "group_size=4", "max_response_length=6", "eval_size=8",
+             "save_every=1000", "threads=1", "seed=3"]
+
+
+def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_continues(fast_local):
+    """#29: `hpcrl stop` on a running built-in run: the trainer saves where it is (the walltime's
+    USR1), no successor runs, the run is STOPPED, and resume continues from that very step."""
+    sets = [a for kv in STOP_ARGS for a in ("--set", f"args.{kv}")]
+    hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.05", "--name", "stp", *sets)
+    rdir = run_dir("stp")
+    wait_for_step(rdir, 3, timeout=240)
+    out = hpcrl("stop", "stp").stdout
+    assert out.startswith("stopping run stp: its segment saves a checkpoint and exits"), out
+    state = wait_for_run("stp", timeout=120)
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "user_stop", state["reason"]
+    (seg,) = started(state)
+    trained = max(m["step"] for m in read_metrics(rdir) if m.get("phase") in (None, "train"))
+    assert seg["state"] == "CONTINUE" and seg["end_step"] == trained < 30, (seg, trained)
+    assert state["stop"]["step"] == trained
+    assert [s["state"] for s in state["segments"][1:]] == ["CANCELLED"], "the queued successor never ran"
+    again = hpcrl("stop", "stp", check=False)
+    assert again.returncode == 2 and "run 'stp' is already STOPPED; nothing to stop" in again.stderr
+    hpcrl("resume", "stp")
+    state = wait_for_run("stp", states=("COMPLETED",), timeout=300)
+    first, second = started(state)
+    assert second["start_step"] == trained and second["end_step"] == 30
+    steps = [m["step"] for m in read_metrics(rdir) if m.get("phase") in (None, "train")]
+    assert steps == list(range(1, 31)), "no step lost, none trained twice"
+
+
 def test_second_submit_of_same_run_is_refused(fast_local):
     _submit(fast_local, "dup", "--set", "args.steps=5", "--set", "args.step_time_s=0.1")
     again = hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--name", "dup", check=False)

@@ -124,3 +124,28 @@ def test_a_reward_file_that_cannot_import_is_refused_at_submit_on_slurm(slurm_ho
               "--set", f"args.reward={file}:score", check=False)
     assert r.returncode == 2 and "fails to import in the trainer's python" in r.stderr, r.stderr
     assert not _squeue("sl-imp")
+
+
+def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_continues(slurm_home):
+    """#29 on the real scheduler: `hpcrl stop` reaches the batch shell's USR1 trap (scancel
+    --signal=USR1 --batch, as the walltime's --signal=B:USR1), the built-in trainer saves at its
+    last trained step, the queued successor is cancelled, resume continues from that step."""
+    from test_local_lifecycle import STOP_ARGS
+
+    sets = [a for kv in STOP_ARGS for a in ("--set", f"args.{kv}")]
+    slurm_home.append("sl-stp")
+    hpcrl("submit", "--site", "testcluster", "--trainer", "builtin", "--hours", "0.1", "--name", "sl-stp", *sets)
+    rdir = run_dir("sl-stp")
+    wait_for_step(rdir, 3, timeout=300)
+    hpcrl("stop", "sl-stp")
+    state = wait_for_run("sl-stp", timeout=180)
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "user_stop", state["reason"]
+    (seg,) = started(state)
+    trained = max(m["step"] for m in read_metrics(rdir) if m.get("phase") in (None, "train"))
+    assert seg["state"] == "CONTINUE" and seg["end_step"] == trained < 30, (seg, trained)
+    assert not _squeue("sl-stp"), "nothing queued after the stopped segment"
+    hpcrl("resume", "sl-stp")
+    state = wait_for_run("sl-stp", states=("COMPLETED",), timeout=400)
+    assert started(state)[1]["start_step"] == trained
+    steps = [m["step"] for m in read_metrics(rdir) if m.get("phase") in (None, "train")]
+    assert steps == list(range(1, 31))
