@@ -48,7 +48,8 @@ class SegState(str, enum.Enum):
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     SKIPPED = "SKIPPED"      # started, found nothing to do, exited at once
-    CANCELLED = "CANCELLED"  # never ran
+    CANCELLED = "CANCELLED"  # never ran: cancelled by the user
+    UNNEEDED = "UNNEEDED"    # never ran: the run ended (complete, budget, failure) before it started
     CONTINUE = "CONTINUE"    # stopped for continuation (checkpointed before the walltime)
     COMPLETE = "COMPLETE"    # finished the training
     FAILED = "FAILED"
@@ -230,12 +231,13 @@ def mark_lost(state: dict, seg: dict, step: int | None, why: str, now: float) ->
     add_event(state, f"segment {seg.get('k') or '-'} (job {seg.get('job_id')}) {why}", now)
 
 
-def cancel_queued(state: dict, now: float, why: str | None = None) -> list:
-    """Close every queued segment as CANCELLED (the one place); the Cancel action for them."""
+def cancel_queued(state: dict, now: float, why: str | None = None, as_state: SegState = SegState.CANCELLED) -> list:
+    """Close every queued segment as CANCELLED, or UNNEEDED when the run ended by itself (the one
+    place); the Cancel action for them."""
     ids = []
     for seg in state["segments"]:
         if seg_state(seg) == SegState.QUEUED:
-            seg.update(state=SegState.CANCELLED.value, ended=now)
+            seg.update(state=as_state.value, ended=now)
             if why:
                 seg["reason"] = why
             ids.append(seg["job_id"])
@@ -253,7 +255,9 @@ def finish(state: dict, stop: dict, now: float, run_id: str = "RUN", error_tail=
                  Stop.BACKEND_FAILED: RunState.FAILED, Stop.CANCELLED: RunState.CANCELLED}.get(kind, RunState.STOPPED)
         _set(state, final, describe(stop, run_id), stop)
         add_event(state, f"run {final.value.lower()}: {state['reason']}", now)
-    return cancel_queued(state, now)
+    if stop_kind(state) in (Stop.CANCELLED, Stop.USER_STOP):
+        return cancel_queued(state, now)
+    return cancel_queued(state, now, why=f"not needed: the run is {state['state'].lower()}", as_state=SegState.UNNEEDED)
 
 
 def _state_stop(state: dict) -> dict | None:

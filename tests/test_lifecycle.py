@@ -119,7 +119,9 @@ def test_chain_continues_then_completes_with_one_successor_at_a_time(chain):
     assert [(s["k"], s["start_step"], s["end_step"], s["state"]) for s in ran] == [
         (1, None, 10, "CONTINUE"), (2, 10, 20, "CONTINUE"), (3, 20, 30, "COMPLETE")]
     # the successor queued at segment 3's start found the run complete and was cancelled
-    assert state["segments"][-1]["state"] == SegState.CANCELLED
+    # its job was cancelled; the segment reads as not needed (not as a cancel, which is the user's)
+    assert state["segments"][-1]["state"] == SegState.UNNEEDED
+    assert state["segments"][-1]["reason"] == "not needed: the run is completed"
     assert sched.jobs[state["segments"][-1]["job_id"]]["state"] == JobState.CANCELLED
     assert lifecycle.used_hours(state) == pytest.approx(3.0)
 

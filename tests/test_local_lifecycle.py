@@ -60,6 +60,45 @@ def test_hard_kill_without_signal_successor_resumes_from_periodic_checkpoint(fas
     assert steps[-1] == 40 and sorted(set(steps)) == list(range(1, 41))
 
 
+def test_kill9_figures_never_overstate_lost_work_replay_and_one_row_per_step(fast_local):
+    """#29 item 3: segment 1 trains past its last save and is killed -9. Its lost steps count 0
+    in goodput (it saved nothing: 0%), the successor's re-training reads "replaying N -> M" in
+    status, and `hpcrl metrics` holds one row per step (the replayed records superseded)."""
+    from hpcrl import report
+    from hpcrl.runs import Run
+
+    _submit(fast_local, "k9", "--hours", "0.01", "--set", "args.steps=30", "--set", "args.step_time_s=0.2",
+            "--set", "args.save_every=100")
+    rdir = run_dir("k9")
+    killed_at = wait_for_step(rdir, 8, timeout=60)  # no checkpoint yet: everything it trained is lost
+    rec = json.loads((rdir / ".queue" / "1.json").read_text())
+    os.killpg(rec["pgid"], signal.SIGKILL)
+    state = wait_for_run("k9")
+    assert state["state"] == "COMPLETED"
+    first, second = started(state)[:2]
+    assert first["state"] == "LOST" and first["end_step"] is None and second["start_step"] is None
+    lost_at = max(m["step"] for m in read_metrics(rdir) if m["segment"] == 1)
+    assert lost_at >= killed_at
+    text = hpcrl("status", "k9").stdout
+    seg_line = next(ln for ln in text.splitlines() if ln.split()[:3] == ["1", first["job_id"], "LOST"])
+    assert seg_line.split()[-1] == "0%", text
+    assert f"lost past the last checkpoint: segment 1 {lost_at} steps" in text
+    rows = [json.loads(ln) for ln in hpcrl("metrics", "k9", "--format", "jsonl").stdout.splitlines()]
+    train = [r["step"] for r in rows if r["phase"] == "train"]
+    assert train == list(range(1, 31)) and all(r["segment"] != 1 for r in rows), "one row per step, the survivors"
+    # status while segment 2 re-trained: the run's own records and state, cut at its step 3
+    run = Run.by_id("k9")
+    records = [m for m in read_metrics(rdir) if m["segment"] == 1 or (m["segment"] == 2 and m["step"] <= 3)]
+    (run.dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in records))
+    then = {**state, "state": "RUNNING", "segments": [first, {**second, "state": "RUNNING", "ended": None}]}
+    row = report.summary(run, then)
+    assert row["replaying"] == (3, lost_at) and report.step_cell(row) == f"3 (replaying -> {lost_at})"
+    assert f"steps: replaying 3 -> {lost_at}: this segment re-trains" in report.detail(run, then, row)
+    from hpcrl import progress
+
+    assert progress.at_risk(records, then, None, time.time())["steps"] == 3  # no checkpoint yet: all 3 at risk
+
+
 def test_crash_at_same_step_fails_after_two_segments_without_progress(fast_local):
     _submit(fast_local, "crash", "--set", "args.steps=50", "--set", "args.step_time_s=0.05",
             "--set", "args.crash_at_step=3")
