@@ -286,14 +286,17 @@ def cmd_doctor(ns) -> int:
     from .spec import site_as_given
 
     site = site_as_given(ns.site, ns.account, ns.sets)
-    spec, trainer = None, ns.trainer
-    if ns.spec:  # the venv of this spec: its trainer, arguments and requirements
+    spec, trainer, spec_file = None, ns.trainer or "builtin", ns.spec
+    if spec_file is None and not ns.trainer and os.path.exists("hpcrl.yaml"):
+        spec_file = "hpcrl.yaml"  # as render and submit find it
+    if spec_file:  # the venv of this spec: its trainer, arguments and requirements
         from .spec import resolve
 
-        spec = resolve(ns.spec, ns.site, ns.sets, {"account": ns.account})["spec"]
+        spec = resolve(spec_file, ns.site, ns.sets, {"account": ns.account})["spec"]
         trainer = spec["trainer"]
-    checks = doctor.run_checks(site, trainer=trainer, spec=spec, spec_file=ns.spec)
-    print(f"hpcrl doctor: site {site['name']} ({site['scheduler']})")
+    checks = doctor.run_checks(site, trainer=trainer, spec=spec, spec_file=spec_file)
+    what = f"spec {spec_file}" if spec_file else f"trainer {trainer} (its defaults; no ./hpcrl.yaml here)"
+    print(f"hpcrl doctor: site {site['name']} ({site['scheduler']}), {what}")
     print(doctor.format_checks(checks))
     return 1 if any(c.status == "fail" for c in checks) else 0
 
@@ -447,10 +450,11 @@ def build_parser(listing: bool = False) -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_sites)
     sp = sub.add_parser("doctor", help="preflight a site before the first big submission (run it on the login node)")
-    sp.add_argument("spec", nargs="?", help="spec file whose venv to check (default: the --trainer's defaults)")
+    sp.add_argument("spec", nargs="?", help="spec file whose venv to check (default: ./hpcrl.yaml, as render "
+                                            "and submit; else the --trainer's defaults)")
     sp.add_argument("--site", help="site profile (default: local)")
     sp.add_argument("--account", help="account to check (default: the site's, or $HPCRL_ACCOUNT)")
-    sp.add_argument("--trainer", default="builtin", help="trainer whose Python requirement to check (default builtin)")
+    sp.add_argument("--trainer", help="trainer whose venv to check when there is no spec (default builtin)")
     sp.add_argument("--set", dest="sets", action="append", default=[], metavar="site.KEY=VALUE",
                     help="override a site value for the checks; repeatable")
     sp.set_defaults(func=cmd_doctor)
