@@ -164,6 +164,9 @@ def cmd_logs(ns) -> int:
         raise HpcrlError(f"--interval {ns.interval}: must be a number of seconds between 0 and 86400 (a day)")
     run = runs.Run.by_id(ns.run)
     launch.follow(run, interval_s=ns.interval, keep_going=ns.follow)  # e.g. TPU: logs copied from the bucket
+    if ns.segment is None and not ns.follow:  # the whole run, as the help says
+        report.print_all(run, sys.stdout)
+        return 0
     index = report.pick_segment(run.state(), ns.segment)
     try:
         if ns.follow and _terminal():
@@ -423,7 +426,7 @@ def build_parser(listing: bool = False) -> argparse.ArgumentParser:
     sp = sub.add_parser("logs", help="print or follow (-f) a run's log across its segments")
     sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("-f", "--follow", action="store_true", help="follow live, moving on to each next segment")
-    sp.add_argument("--segment", type=int, help="segment K (default: the newest)")
+    sp.add_argument("--segment", type=int, help="segment K only (default: every segment; with -f from the newest)")
     sp.add_argument("--interval", type=float, default=30.0, help="TPU runs: seconds between copies from the bucket (default 30)")
     sp.set_defaults(func=cmd_logs)
     sp = sub.add_parser("watch", help="keep a run going: poll it, start next segments, re-create preempted TPU VMs")

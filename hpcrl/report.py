@@ -505,6 +505,15 @@ def pick_segment(state: dict, k: int | None) -> int:
     return k - 1
 
 
+def print_all(run: Run, out) -> None:
+    """`hpcrl logs RUN`: every started segment's log in order, each under a line naming it."""
+    started = _started_segments(run.state())
+    for seg in started:
+        path = log_path(run, seg)
+        out.write(f"==> segment {seg.get('k')}/{len(started)} (job {seg.get('job_id')}, {seg['state']}): {path} <==\n")
+        _drain(path, 0, out)
+
+
 FINAL_QUIET_POLLS = 20  # ~10 s at the default poll
 
 

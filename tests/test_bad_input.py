@@ -108,7 +108,7 @@ def test_missing_spec_file(home, tmp_path):
 
 @pytest.mark.parametrize("bad", ["../..", "a/b", ".hidden", "", "x y", "r\u00fcn", "x" * 81, "run\n"])
 def test_run_ids_are_checked_like_run_names_before_the_registry(home, bad):
-    for verb in ("status", "logs", "resume", "cancel", "watch"):
+    for verb in ("status", "logs", "resume", "cancel", "stop", "watch"):
         r = hpcrl(verb, bad, check=False)
         assert r.returncode == 2, (verb, r.stdout, r.stderr)
         assert r.stderr.startswith(f"hpcrl: error: run {bad!r}: not a run id") and r.stderr.count("\n") == 1, r.stderr
@@ -152,6 +152,6 @@ def test_a_set_value_with_a_hash_comes_through_whole(home):
 
 
 def test_unknown_run_for_status_logs_resume_cancel(home):
-    for verb in ("status", "logs", "resume", "cancel"):
+    for verb in ("status", "logs", "resume", "cancel", "stop"):
         r = hpcrl(verb, "ghost", check=False)
         assert r.returncode == 2 and "run 'ghost': no such run" in r.stderr, (verb, r.stderr)
