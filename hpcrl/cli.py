@@ -330,7 +330,8 @@ def cmd_plot(ns) -> int:
     from . import plot, runs
 
     run_list = [runs.Run.by_id(r) for r in ns.runs]
-    out = ns.out or f"{'-vs-'.join(r.id for r in run_list)}.png"
+    # into the (first) run's directory: not an untracked PNG in whatever clone the user stands in
+    out = ns.out or str(run_list[0].dir / f"{'-vs-'.join(r.id for r in run_list)}.png")
     drawn = plot.plot(run_list, out, ns.metric or None)
     print(f"wrote {out} ({', '.join(p['title'] for p in drawn['panels'])})")
     return 0
@@ -471,7 +472,7 @@ def build_parser(listing: bool = False) -> argparse.ArgumentParser:
     sp.add_argument("runs", nargs="+", metavar="RUN", help="one run, or several to compare on the same axes (ids or unique prefixes)")
     sp.add_argument("--metric", action="append", metavar="NAME",
                     help="a metrics key to plot (repeatable; default: reward, KL, loss, response length)")
-    sp.add_argument("--out", help="PNG file to write (default: RUN.png here)")
+    sp.add_argument("--out", help="PNG file to write (default: RUN.png in the (first) run's directory)")
     sp.set_defaults(func=cmd_plot)
     sp = sub.add_parser("export", help="the trained model as a Hugging Face directory (from_pretrained loads it)")
     sp.add_argument("run", help=RUN_HELP)
