@@ -37,6 +37,9 @@ CASES = [
     ("trainer: smoke\n", {}, ["--hours", "abc"], "argument --hours: invalid float value: 'abc'"),
     ("trainer: smoke\n", {}, ["--hours", "4", "--total-hours", "1"],
      "--total-hours) 1: less than one segment's --hours 4; raise --total-hours or lower --hours"),
+    # #29: a recipe's total (10 h) below --hours 72: the QOS's 48 h limit is the first thing to fix
+    ("trainer: smoke\nbudget: {total_hours: 10}\n", {}, ["--site", "perlmutter", "--account", "m1234_g", "--hours", "72"],
+     "site 'perlmutter': qos 'regular' allows at most 48 h, asked 72 h"),
     ("trainer: smoke\n", {}, ["--total-hours", "1e12"], "budget.total_hours (--total-hours): must be at most"),
     ("trainer: smoke\n", {}, ["--max-segments", "1000000"], "budget.max_segments (--max-segments): must be at most"),
     ("trainer: smoke\n", {}, ["--nodes", "-3"], "resources.nodes (--nodes): must be at least 1"),
