@@ -47,6 +47,9 @@ class RLTrainer:
         self.device = self.dist.device(policy.pick_device(cfg["device"]))
         if not self.dist.is_main:
             self.dist.barrier()  # rank 0 builds the tiny model and the data first; the others find them
+        # first: a reward that does not import fails the segment before the model is built or
+        # copied into the run (SmolLM2: 517 MB) and before the data is generated
+        self.reward = reward_mix.Reward(cfg, self.device)
         self.model_dir = prepare.prepare_model(cfg, ctx.run_dir)
         train_path, val_path = prepare.prepare_data(cfg, ctx.run_dir)
         if self.dist.is_main:
@@ -81,7 +84,6 @@ class RLTrainer:
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
         self.val_ids = policy.encode_prompts(self.tok, self.val_ex[:cfg["eval_size"]], **enc)
         self.auto_rows = self._auto_rows()
-        self.reward = reward_mix.Reward(cfg, self.device)
         # fused: one kernel over all parameters instead of a loop of small ones (~12% of a tiny step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
                                            fused=self.device.type in ("cpu", "cuda"))
