@@ -128,3 +128,17 @@ def test_verl_data_read_in_the_interpreter_and_a_custom_prompt_key(tmp_path):
         VerlTrainer().check_python(VerlTrainer().validate_args(args), sys.executable, {})
     args["overrides"] = ["data.prompt_key=data_source"]
     VerlTrainer().check_python(VerlTrainer().validate_args(args), sys.executable, {})
+
+
+def test_the_mistakes_table_quotes_what_the_cli_says(fast_local, home, tmp_path):
+    """docs/mistakes.md: its rows are the CLI's own words (two checked here end to end)."""
+    from helpers import ROOT
+
+    doc = (ROOT / "docs" / "mistakes.md").read_text()
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "verl", "--hours", "0.01", "--name", "doc",
+              *_verl_args(tmp_path), "--set", "args.total_training_steps=400", check=False)
+    said = r.stderr.strip().removeprefix("hpcrl: error: ")
+    assert said.split(" (")[0] in doc and said.split("; ", 1)[1] in doc, said
+    r = hpcrl("render", "--site", "perlmutter", "--account", "m1234_g", "--trainer", "smoke", "--hours", "72",
+              "--total-hours", "10", check=False)
+    assert r.stderr.strip().removeprefix("hpcrl: error: ") in doc, r.stderr
