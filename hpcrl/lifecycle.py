@@ -490,7 +490,8 @@ def next_segment(state: dict, now: float) -> list:
     active run with no live segment, or the stop when the run must not go on."""
     if not is_active(state) or live_segments(state):
         return []
-    stop = budget_stop(state)
+    saved = max([s["end_step"] for s in state["segments"] if s.get("end_step") is not None], default=None)
+    stop = _user_stop(state, saved) or budget_stop(state)
     if stop:
         return finish(state, stop, now, state["run_id"])
     return [Queue(after=None)]
