@@ -79,7 +79,9 @@ def goodput(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, now
         base = max(used, asked(seg, facts)["walltime_s"]) if full else used
         train = t.train_s if t else None
         kept = t.steps if t else 0
-        if t and seg_state(seg) != SegState.RUNNING:
+        ended_badly = seg_state(seg) in (SegState.LOST, SegState.FAILED)
+        if t and seg_state(seg) != SegState.RUNNING and (ended_badly or seg.get("end_step") is not None):
+            # (a continuation with no checkpoint step on record, e.g. adopted: taken as saved whole)
             kept = min(t.steps, max(0, (seg.get("end_step") or 0) - (seg.get("start_step") or 0)))
         if train is not None and t and t.steps:
             train = min(train, used or train) * kept / t.steps
