@@ -207,8 +207,8 @@ _TEXT = {  # what a person reads for each stop reason (fields of the stop record
 
 def describe(stop: dict, run_id: str = "RUN") -> str:
     """The text a person reads for a stop reason."""
-    fields = {"error": "(no log output)", "step": "none (it starts over)", **{k: v for k, v in stop.items() if v is not None},
-              "run_id": run_id}
+    given = {k: v for k, v in stop.items() if v is not None}
+    fields = {"error": "(no log output)", "step": "none (it starts over)", **given, "run_id": run_id}
     return _TEXT[Stop(stop["kind"])].format(**fields)
 
 

@@ -229,6 +229,7 @@ def describe(axes, run_ids: list[str], panels, twins: dict | None = None) -> dic
         lines = ax.get_lines() + ((twins or {})[row].get_lines() if row in (twins or {}) else [])
         gids = [line.get_gid() or "" for line in lines]
         points = sum(len(line.get_xdata()) for line in lines if (line.get_gid() or "").endswith(":train"))
+        labels = [t for t in ax.texts if (t.get_gid() or "").endswith(":segment-label")]
         out["panels"].append({"title": title, "metric": key, "train_points": points,
                               "eval_points": sum(len(line.get_xdata()) for line in lines
                                                  if (line.get_gid() or "").endswith(":eval")),
@@ -237,11 +238,9 @@ def describe(axes, run_ids: list[str], panels, twins: dict | None = None) -> dic
                               "smoothed": any(g.endswith(":smooth") for g in gids),
                               "rl_start": any(g.endswith(f":{RL_START}") for g in gids),
                               "warmup_axis": row in (twins or {}),
-                              "segment_labels": sum(1 for t in ax.texts if (t.get_gid() or "").endswith(":segment-label")),
-                              "label_texts": [t.get_text() for t in ax.texts if (t.get_gid() or "").endswith(":segment-label")],
-                              "label_overlaps": _overlaps([t for t in ax.texts
-                                                           if (t.get_gid() or "").endswith(":segment-label")]),
-                              "axis_labels_inside": _inside(ax.figure, [ax] + ([twins[row]] if row in (twins or {}) else []))})
+                              "segment_labels": len(labels), "label_texts": [t.get_text() for t in labels],
+                              "label_overlaps": _overlaps(labels),
+                              "axis_labels_inside": _inside(ax.figure, [ax, *([twins[row]] if row in (twins or {}) else [])])})
     return out
 
 

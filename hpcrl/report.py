@@ -335,7 +335,8 @@ def goodput_line(row: dict) -> str:
     if not good:
         return ""
     shares = ", ".join(f"{g['goodput']:.0%}" for g in good)
-    text = f"{shares} of each segment's time trained into a checkpoint (start-up and the stop before the walltime are the rest)"
+    text = (f"{shares} of each segment's time trained into a checkpoint (start-up and the stop before the walltime "
+            f"are the rest)")
     lost = [g for g in row.get("goodput") or [] if g.get("lost_steps")]
     if lost:
         text += "; lost past the last checkpoint: " + ", ".join(

@@ -97,8 +97,8 @@ def reward_error(facts: Facts, i: int, key: str, path: str, func: str, python: s
     if err.startswith("defines no function"):
         raise SpecError(f"{key}: reward file {path} {err} once imported; define {func}(data_source, solution_str, "
                         f"ground_truth, extra_info) at its top level")
-    fix = "pip install what it imports into that interpreter" if err.startswith(("ModuleNotFoundError", "ImportError")) \
-        else "fix the file (it runs as the trainer imports it)"
+    missing = err.startswith(("ModuleNotFoundError", "ImportError"))
+    fix = "pip install what it imports into that interpreter" if missing else "fix the file (it runs as the trainer imports it)"
     raise SpecError(f"{key}: reward file {path} fails to import in the trainer's python {python} ({err}); {fix}")
 
 

@@ -200,7 +200,9 @@ job=$!
 # `hpcrl stop`: the launcher leaves jobs/<job>/stop in the bucket; the segment gets the USR1 of
 # its walltime (save, exit for continuation), and the launcher queues nothing after it.
 ( while sleep "$HPCRL_SYNC_S"; do
-    gs cat "$run_uri/jobs/$HPCRL_JOB_ID/stop" >/dev/null 2>&1 && { echo "hpcrl: stop asked (hpcrl stop): USR1"; kill -USR1 "$job"; break; }
+    if gs cat "$run_uri/jobs/$HPCRL_JOB_ID/stop" >/dev/null 2>&1; then
+      echo "hpcrl: stop asked (hpcrl stop): USR1"; kill -USR1 "$job"; break
+    fi
   done ) &
 stopper=$!
 terminated=""
