@@ -359,6 +359,8 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
     add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}"
               + (f": {error}" if not ok and error else ""), now)
     repeated = None if ok else _repeated(state, seg, trained, error or own_tail)
+    if state.get("stop_requested"):
+        seg["user_stop"] = True  # ended early on request: its walltime was not what it lost
     stop = _state_stop(state) or _user_stop(state, step) or budget_stop(state) or repeated
     if stop:
         return finish(state, stop, now, state["run_id"], error_tail)

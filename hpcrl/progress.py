@@ -75,7 +75,7 @@ def goodput(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, now
             continue
         t = timings.get(seg.get("k"))
         used = used_s(seg, now)
-        full = seg_state(seg) in (SegState.CONTINUE, SegState.LOST)
+        full = seg_state(seg) in (SegState.CONTINUE, SegState.LOST) and not seg.get("user_stop")
         base = max(used, asked(seg, facts)["walltime_s"]) if full else used
         train = t.train_s if t else None
         kept = t.steps if t else 0

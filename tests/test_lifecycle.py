@@ -307,6 +307,7 @@ def test_stop_saves_then_stops_with_nothing_after_it_and_resume_continues(chain)
     state = run.state()
     assert state["state"] == RunState.STOPPED and state["stop"] == {"kind": "user_stop", "step": 17}
     assert state["reason"] == "stopped by the user at checkpoint step 17; `hpcrl resume st` continues from it"
+    assert state["segments"][0]["user_stop"] is True  # goodput measures it by the time it held, not its walltime
     assert not lifecycle.live_segments(state) and sched.submits == 2
     with pytest.raises(RunError, match="already STOPPED; nothing to stop"):
         launch.stop("st")

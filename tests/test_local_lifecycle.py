@@ -175,6 +175,13 @@ def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_conti
     assert seg["state"] == "CONTINUE" and seg["end_step"] == trained < 30, (seg, trained)
     assert state["stop"]["step"] == trained
     assert [s["state"] for s in state["segments"][1:]] == ["CANCELLED"], "the queued successor never ran"
+    assert json.loads(hpcrl("status", "stp", "--json").stdout)[0]["state"] == "STOPPED"
+    from hpcrl import report
+    from hpcrl.runs import Run
+
+    (g,) = report.goodput_of(Run.by_id("stp"), state)
+    # by the time it held (its start-up is most of it here), not by the 3 minutes it was not asked to use
+    assert abs(g["goodput"] - g["train_s"] / g["used_s"]) < 0.01, g
     again = hpcrl("stop", "stp", check=False)
     assert again.returncode == 2 and "run 'stp' is already STOPPED; nothing to stop" in again.stderr
     hpcrl("resume", "stp")
