@@ -218,7 +218,7 @@ def _merge(run, qr: str, vm: dict, final: bool) -> None:
                     continue
                 seg = {k: vseg[k] for k in ("job_id", "submitted", "after", "asked") if k in vseg}
                 state["segments"].append(seg)
-            elif seg["state"] in (SegState.CANCELLED, SegState.LOST):
+            elif seg["state"] in (SegState.CANCELLED, SegState.UNNEEDED, SegState.LOST):
                 continue
             seg.update({k: vseg[k] for k in SEG_FIELDS_FROM_VM if k in vseg})
         ends = vm.get("state") and not lifecycle.is_active(vm)

@@ -262,6 +262,14 @@ while :; do
   export HPCRL_JOB_END_TIME=$(( $(date +%s) + segment_s ))
   setsid bash "$run_dir/job.sh" &
   job=$!
+  # `hpcrl stop`: the launcher leaves jobs/<job>/stop in the bucket; the segment gets the USR1 of
+  # its walltime (save, exit for continuation), and nothing runs after it on this VM.
+  ( while sleep "$HPCRL_SYNC_S"; do
+      if gs cat "$run_uri/jobs/$HPCRL_JOB_ID/stop" >/dev/null 2>&1; then
+        echo "hpcrl: stop asked (hpcrl stop): USR1"; kill -USR1 "$job"; break
+      fi
+    done ) &
+  stopper=$!
   (
     until_t() { local s=$(( $1 - $(date +%s) )); [ "$s" -gt 0 ] && sleep "$s"; }
     until_t $(( HPCRL_JOB_END_TIME - signal_lead_s )); kill -USR1 "$job" 2>/dev/null
@@ -276,10 +284,14 @@ while :; do
   done
   wait "$job"
   rc=$?
-  pkill -P "$timer" 2>/dev/null
-  kill "$timer" 2>/dev/null
+  for p in "$timer" "$stopper"; do
+    pkill -P "$p" 2>/dev/null
+    kill "$p" 2>/dev/null
+  done
   echo "hpcrl: segment script exited with code $rc"
   [ -z "$terminated" ] || break
+  # stopped by `hpcrl stop`: no next segment here (`hpcrl resume` continues the run)
+  ! gs cat "$run_uri/jobs/$HPCRL_JOB_ID/stop" >/dev/null 2>&1 || break
   # The run's next segment, on this VM (none when it is complete, failed or out of budget).
   next=$(PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}" \
     "$hpcrl_py" -m hpcrl.cli _segment next "$run_dir" --job-id "$HPCRL_JOB_ID") || break
