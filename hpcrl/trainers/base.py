@@ -95,6 +95,11 @@ class Trainer:
         """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""
         return []
 
+    def runtime_packages(self, args: dict) -> list[str]:
+        """Distributions the trainer imports when it runs with these args (the resolve test checks
+        that the venv's requirement set installs each one)."""
+        return []
+
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         """Files (name relative to the run dir -> text) written into the run dir at submit."""
         return {}

@@ -67,6 +67,9 @@ class BuiltinTrainer(Trainer):
             reqs = reqs + ["wandb"]
         return list(reqs)
 
+    def runtime_packages(self, args: dict) -> list[str]:
+        return ["torch", "transformers", "safetensors", "xxhash"] + (["vllm"] if (args or {}).get("rollout") == "vllm" else [])
+
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         return {"trainer.json": json.dumps(ctx.args, indent=1, sort_keys=True) + "\n"}
 

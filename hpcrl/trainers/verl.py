@@ -158,6 +158,10 @@ class VerlTrainer(Trainer):
     def requirements(self, args: dict, site: dict) -> list[str]:
         return [f"verl[{args.get('rollout', 'vllm')}]=={VERL_VERSION}", *_ROLLOUT_PINS[args.get("rollout", "vllm")]]
 
+    def runtime_packages(self, args: dict) -> list[str]:
+        # verl 0.9.1's model config defaults to attn_implementation=flash_attention_2
+        return ["verl", "torch", "ray", args.get("rollout", "vllm"), "flash-attn"]
+
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         here = Path(__file__).resolve().parent
         out = {LAUNCH_FILE: (here / "verl_launch.py").read_text(encoding="utf-8")}
