@@ -66,7 +66,10 @@ def requirements(resolved: dict) -> list[str]:
     spec, site = resolved["spec"], resolved["site"]
     if site.get("trainer_python"):
         return []  # the user's own interpreter: nothing to install
-    return list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"])
+    from .stack import for_site
+
+    # the site's CUDA build named explicitly (index option + local-version pins): hpcrl/stack.py
+    return for_site(list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"]), site)
 
 
 def plan(resolved: dict) -> Plan | None:

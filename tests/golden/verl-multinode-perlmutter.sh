@@ -66,13 +66,14 @@ export PYTHONUNBUFFERED=1
 # the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
 # /global/common). The job only checks that it is ready and activates it; it writes nothing there.
 # Its requirements:
+#   --extra-index-url https://download.pytorch.org/whl/cu128
 #   verl[vllm]==0.9.1
-#   torch==2.11.0
-#   torchvision==0.26.0
-#   torchaudio==2.11.0
-#   vllm==0.24.0
+#   torch==2.11.0+cu128
+#   torchvision==0.26.0+cu128
+#   torchaudio==2.11.0+cu128
+#   vllm @ https://github.com/vllm-project/vllm/releases/download/v0.24.0/vllm-0.24.0+cu128-cp38-abi3-manylinux_2_28_x86_64.whl
 #   transformers==5.9.0
-venv=/global/common/software/m1234/hpcrl/venvs/5f186cc34b1c
+venv=/global/common/software/m1234/hpcrl/venvs/2ca2d223d327
 if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
   hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: "'hpcrl venv build --run verl-multinode'
   echo "hpcrl: $hpcrl_why" >&2
@@ -177,7 +178,7 @@ trap 'echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpoint
 trap 'echo "hpcrl: TERM: stop now"; forward TERM' TERM
 (
   trap : USR1 TERM INT
-  "$trainer_py" /pscratch/sd/u/user/hpcrl/runs/verl-multinode/verl/launch.py --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/verl-multinode/checkpoints --save-mode deadline --save-freq 100 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/countdown/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/countdown/test.parquet'"'"'' data.train_batch_size=256 data.max_prompt_length=256 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-3B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=5 actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 algorithm.adv_estimator=grpo actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.kl_loss_coef=0.001 reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/verl-multinode/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/verl-multinode/checkpoints trainer.resume_mode=auto trainer.nnodes=2 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=100 trainer.project_name=TinyZero trainer.experiment_name=verl-multinode trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300
+  "$trainer_py" /pscratch/sd/u/user/hpcrl/runs/verl-multinode/verl/launch.py --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/verl-multinode/checkpoints --save-mode deadline --save-freq 100 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/countdown/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/countdown/test.parquet'"'"'' data.train_batch_size=256 data.max_prompt_length=256 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-3B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=5 actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False algorithm.adv_estimator=grpo actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.kl_loss_coef=0.001 reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/verl-multinode/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/verl-multinode/checkpoints trainer.resume_mode=auto trainer.nnodes=2 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=100 trainer.project_name=TinyZero trainer.experiment_name=verl-multinode trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300
   echo "$?" > "$rc_file"
 ) &
 runner=$!
