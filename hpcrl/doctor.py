@@ -36,8 +36,9 @@ def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, e
     if backend.jobs_share_this_environment:
         checks += _paths(site, in_job=_in_job(environ))
         checks += _modules_and_python(site, get_trainer(trainer))
-        checks += _venv(site, spec or {"trainer": trainer, "args": {}, "requirements": []}, _in_job(environ),
-                        spec_file)
+        the_spec = spec or {"trainer": trainer, "args": {}, "requirements": []}
+        checks += _venv(site, the_spec, _in_job(environ), spec_file)
+        checks += _gpu_driver(site, the_spec)
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
         checks += _paths({**site, "venv_root": None})
     return checks
@@ -72,6 +73,50 @@ def _venv(site: dict, spec: dict, in_job: bool, spec_file: str | None = None) ->
                       f"on a login node: {command} (or hpcrl submit, which builds it)")]
     return [Check("venv", "warn", f"{plan.path}: {why} (hpcrl submit builds it first, which takes minutes)",
                   f"build it now: {command}")]
+
+
+def _gpu_driver(site: dict, spec: dict) -> list[Check]:
+    """A GPU site: the driver's CUDA (nvidia-smi where it runs, else the profile's gpu_stack.driver_cuda)
+    against the CUDA the venv's torch is built for (its pin's +cuNNN, else the built venv's torch)."""
+    from . import gpucheck, stack, venv
+
+    facts = stack.facts(site)
+    if not int(site.get("gpus_per_node") or 0) or not facts.get("driver_cuda"):
+        return []
+    here, stated = gpucheck.driver_cuda(), str(facts["driver_cuda"])
+    driver = here or stated
+    source = "nvidia-smi here" if here else "the site profile; no nvidia-smi here"
+    out = []
+    if here and stack.cuda_major(here) != stack.cuda_major(stated):
+        out.append(Check("driver", "warn", f"nvidia-smi here says CUDA {here}, the site profile says {stated}",
+                         f"put gpu_stack: {{driver_cuda: '{here}'}} in your site file (extends: {site['name']})"))
+    try:
+        plan = venv.plan({"site": site, "spec": spec})
+    except HpcrlError:
+        plan = None
+    build = stack.build_of(plan.requirements if plan else [])
+    if build is None and plan is not None and venv.readiness(plan) is None:
+        build = _torch_cuda(str(plan.path / "bin" / "python"))
+    if build is None:
+        return out + [Check("driver", "warn", f"driver CUDA {driver} ({source}); the venv's torch names no CUDA build "
+                                              f"(the default index's torch is a CUDA 13 build since 2.11)",
+                            f"set gpu_stack.cuda_variant (e.g. cu128) in your site file")]
+    if stack.cuda_major(build) > stack.cuda_major(driver):
+        return out + [Check("driver", "fail", f"the venv's torch is built for CUDA {build}, the driver ({source}) "
+                                              f"supports CUDA {driver}: torch would see no GPU",
+                            f"install a CUDA {stack.cuda_major(driver)} build: gpu_stack.cuda_variant "
+                            f"{'cu128' if stack.cuda_major(driver) == 12 else 'cu' + str(stack.cuda_major(driver)) + 'x'} "
+                            f"in your site file (or --set site.gpu_stack.cuda_variant=...), then hpcrl venv build")]
+    return out + [Check("driver", "pass", f"driver CUDA {driver} ({source}) runs the venv's torch (built for CUDA {build})")]
+
+
+def _torch_cuda(python: str) -> str | None:
+    try:
+        proc = subprocess.run([python, "-c", "import torch; print(torch.version.cuda or '')"], capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
 def _paths(site: dict, in_job: bool = False) -> list[Check]:

@@ -85,3 +85,10 @@ def build_of(requirements) -> str | None:
         if m:
             return variant_cuda(m.group(1))
     return None
+
+
+def gpu_check(site: dict, trainer) -> bool:
+    """Whether a segment starts with hpcrl.gpucheck: a trainer that runs on GPUs, on a site that
+    has GPUs and states its driver (test clusters with stand-in GPUs state none)."""
+    return bool(getattr(trainer, "uses_gpus", False) and int(site.get("gpus_per_node") or 0)
+                and facts(site).get("driver_cuda"))
