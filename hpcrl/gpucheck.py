@@ -1,12 +1,11 @@
-"""Does the venv's torch see every GPU this job was given? Seconds, before the trainer starts.
-
-    python -m hpcrl.gpucheck        # the job's trainer python; exit 0 and one line, or 1 and one line
+"""Does the venv's torch see every GPU this job was given? The stdlib half: the GPUs given, the
+driver's CUDA, and the one-line verdict (`hpcrl doctor` and scripts use it on any interpreter).
+The torch half runs in the job: `python -m hpcrl.rl.gpucheck` (hpcrl/rl/gpucheck.py).
 
 A torch built for a newer CUDA than the node's driver supports (a CUDA 13 wheel on a CUDA 12
 driver) sees no GPU at all: `torch.cuda.is_available()` is False, a trainer would run on the CPU
 or crash at its first CUDA call. The GPUs given are CUDA_VISIBLE_DEVICES's (Slurm's gres sets it);
-the driver's CUDA is what `nvidia-smi` prints as "CUDA Version". Imports torch only when run
-(never at CLI import time); stdlib otherwise, so the built-in trainer can ask it too.
+the driver's CUDA is what `nvidia-smi` prints as "CUDA Version".
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 
 def gpus_given(environ=None) -> int:
@@ -35,14 +33,6 @@ def driver_cuda() -> str | None:
     return m.group(1) if m else None
 
 
-def torch_build() -> tuple[str, str | None, int]:
-    """(torch version, the CUDA it is built for or None for a CPU build, GPUs it sees)."""
-    import torch
-
-    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return torch.__version__, torch.version.cuda, seen
-
-
 def verdict(given: int, version: str, build: str | None, seen: int, driver: str | None) -> tuple[bool, str]:
     """(passed, the one line that says so)."""
     facts = (f"driver CUDA {driver or 'unknown (nvidia-smi gave none)'}, the venv's torch {version} "
@@ -56,20 +46,3 @@ def verdict(given: int, version: str, build: str | None, seen: int, driver: str 
            else f"install a torch built for CUDA <= {driver or 'the driver'}'s (site gpu_stack.cuda_variant) "
                 f"and rebuild the venv (hpcrl venv build)")
     return False, f"GPU check failed: the venv's torch sees {seen} of the {given} GPUs given ({facts}); {fix}"
-
-
-def main() -> int:
-    given = gpus_given()
-    try:
-        version, build, seen = torch_build()
-    except Exception as e:  # torch itself does not import: the venv is broken
-        print(f"GPU check failed: the venv's torch does not import ({type(e).__name__}: {e}); rebuild the venv "
-              f"(hpcrl venv build)")
-        return 1
-    ok, line = verdict(given, version, build, seen, driver_cuda())
-    print(line)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -81,7 +81,7 @@ class ScriptParts:
     # Under a multi-process launcher (torchrun, srun): the backend's bash before it (None: the
     # trainer is one process). USR1 then becomes HPCRL_STOP_FILE and the code HPCRL_EXIT_FILE.
     ranks_prelude: str | None = None
-    # Start with `python -m hpcrl.gpucheck` (the venv's torch sees each GPU given): hpcrl/stack.py
+    # Start with `python -m hpcrl.rl.gpucheck` (the venv's torch sees each GPU given): hpcrl/stack.py
     gpu_check: bool = False
 
 

@@ -1,5 +1,5 @@
 """Every GPU segment starts by checking that the venv's torch sees each GPU it was given
-(hpcrl/gpucheck.py), and fails in one line naming the driver's CUDA and the build's.
+(hpcrl/rl/gpucheck.py), and fails in one line naming the driver's CUDA and the build's.
 
 No GPU here: the torch of this machine is a CPU build, which sees none of the GPUs a job says it
 was given (CUDA_VISIBLE_DEVICES), exactly as a CUDA 13 build on a CUDA 12 driver sees none. The
@@ -36,7 +36,7 @@ def nvidia_smi_double(tmp_path: Path, banner: str = BANNER) -> Path:
 
 
 def gpucheck(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcrl.gpucheck"], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "hpcrl.rl.gpucheck"], capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)
 
 
@@ -102,9 +102,9 @@ def test_segment_whose_torch_cannot_see_its_gpus_ends_failed_and_status_says_why
 def test_gpu_check_is_rendered_only_for_gpu_trainers_on_sites_that_state_their_driver(gpu_site, tmp_path):
     spec = tmp_path / "spec.yaml"
     hpcrl("init", "--recipe", "countdown-tiny", "--out", spec)
-    assert "-m hpcrl.gpucheck" in hpcrl("render", spec, "--site", gpu_site).stdout
-    assert "-m hpcrl.gpucheck" not in hpcrl("render", spec, "--site", "local").stdout
-    assert "-m hpcrl.gpucheck" not in hpcrl("render", "--trainer", "smoke", "--site", gpu_site).stdout
+    assert "-m hpcrl.rl.gpucheck" in hpcrl("render", spec, "--site", gpu_site).stdout
+    assert "-m hpcrl.rl.gpucheck" not in hpcrl("render", spec, "--site", "local").stdout
+    assert "-m hpcrl.rl.gpucheck" not in hpcrl("render", "--trainer", "smoke", "--site", gpu_site).stdout
 
 
 def _pm_site(**gpu_stack):

@@ -21,9 +21,10 @@ def cpu_only_or_fail() -> None:
     it was given (a build for a newer CUDA than the driver's) stops the trainer with the reason,
     never trains on the CPU without a word."""
     from .. import gpucheck
+    from .gpucheck import torch_build
 
     if gpucheck.gpus_given():
-        _, line = gpucheck.verdict(gpucheck.gpus_given(), *gpucheck.torch_build(), gpucheck.driver_cuda())
+        _, line = gpucheck.verdict(gpucheck.gpus_given(), *torch_build(), gpucheck.driver_cuda())
         raise NoGPU(line)
 
 

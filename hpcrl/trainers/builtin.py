@@ -27,7 +27,7 @@ class BuiltinTrainer(Trainer):
     name = "builtin"
     schema = SCHEMA
     package, package_version = "torch", None
-    uses_gpus = True  # on a GPU site each segment first checks its torch sees them (hpcrl/gpucheck.py)
+    uses_gpus = True  # on a GPU site each segment first checks its torch sees them (hpcrl/rl/gpucheck.py)
     ranks = "gpu"  # torch.distributed: one rank per GPU (gloo CPU ranks where there are none)
 
     def check_world(self, args: dict, world: int) -> None:

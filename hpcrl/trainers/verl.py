@@ -150,7 +150,7 @@ SCHEMA = Schema("verl", [
 
 class VerlTrainer(Trainer):
     name = "verl"
-    uses_gpus = True  # on a GPU site each segment first checks its torch sees them (hpcrl/gpucheck.py)
+    uses_gpus = True  # on a GPU site each segment first checks its torch sees them (hpcrl/rl/gpucheck.py)
     obeys_protocol = True  # through verl/launch.py: exit 0 complete, 85 continue
     schema = SCHEMA
     package, package_version = "verl", VERL_VERSION
