@@ -39,6 +39,7 @@ def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, e
         the_spec = spec or {"trainer": trainer, "args": {}, "requirements": []}
         checks += _venv(site, the_spec, _in_job(environ), spec_file)
         checks += _gpu_driver(site, the_spec)
+        checks += _venv_quota(site, the_spec)
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
         checks += _paths({**site, "venv_root": None})
     return checks
@@ -108,6 +109,36 @@ def _gpu_driver(site: dict, spec: dict) -> list[Check]:
                             f"{'cu128' if stack.cuda_major(driver) == 12 else 'cu' + str(stack.cuda_major(driver)) + 'x'} "
                             f"in your site file (or --set site.gpu_stack.cuda_variant=...), then hpcrl venv build")]
     return out + [Check("driver", "pass", f"driver CUDA {driver} ({source}) runs the venv's torch (built for CUDA {build})")]
+
+
+def _venv_quota(site: dict, spec: dict) -> list[Check]:
+    """venv_root's quota (gpu_stack.venv_quota_gb: Perlmutter's /global/common/software gives a project
+    ~10 GB) against what is there and the spec's venv: its resolved wheels (a floor) and the
+    installed estimate (stack.INSTALLED_PER_WHEEL x wheels)."""
+    from . import stack, venv
+
+    quota = stack.facts(site).get("venv_quota_gb")
+    try:
+        plan = venv.plan({"site": site, "spec": spec})
+    except HpcrlError:
+        return []
+    size = stack.size_of(site, list(plan.requirements)) if plan else None
+    if not quota or plan is None or size is None or venv.readiness(plan) is None:
+        return []
+    root = plan.path.parent
+    used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink()) if root.is_dir() else 0
+    free, wheels = float(quota) * 1e9 - used, size["wheels_bytes"]
+    need = wheels * stack.INSTALLED_PER_WHEEL
+    what = (f"venv_root {root}: quota {float(quota):g} GB, {used / 1e9:.1f} GB used; the spec's venv is "
+            f"{stack.describe_size(size)}")
+    fix = ("another venv_root with room (--set site.venv_root=DIR, e.g. a project directory with more quota), "
+           "site.trainer_python for an existing venv, or more quota from your centre (NERSC: a ticket for "
+           "/global/common/software)")
+    if wheels > free:
+        return [Check("venv quota", "fail", f"{what}: its wheels alone exceed what is left", fix)]
+    if need > free:
+        return [Check("venv quota", "warn", f"{what}: likely more than is left", fix)]
+    return [Check("venv quota", "pass", f"{what}: fits")]
 
 
 def _torch_cuda(python: str) -> str | None:

@@ -92,3 +92,32 @@ def gpu_check(site: dict, trainer) -> bool:
     has GPUs and states its driver (test clusters with stand-in GPUs state none)."""
     return bool(getattr(trainer, "uses_gpus", False) and int(site.get("gpus_per_node") or 0)
                 and facts(site).get("driver_cuda"))
+
+
+# ------------------------------------------------------------------ sizes
+
+# Installed size over wheel size: torch 2.13.0's CPU wheel, 192 MB, unpacks to 699 MB (3.6x,
+# measured here); CUDA libraries compress less well than code. An estimate, said as one.
+INSTALLED_PER_WHEEL = 3.0
+
+
+def size_key(site: dict, requirements: list[str]) -> str:
+    """The key of a requirement set in hpcrl/stack_sizes.py (as render.venv_path hashes it)."""
+    import hashlib
+
+    return hashlib.sha256("\n".join([str(site.get("python")), *sorted(requirements)]).encode()).hexdigest()[:12]
+
+
+def size_of(site: dict, requirements: list[str]) -> dict | None:
+    """The resolved wheels' size of this set, when tests/test_resolve.py measured it (hpcrl/stack_sizes.py)."""
+    from .stack_sizes import SIZES
+
+    return SIZES.get(size_key(site, requirements))
+
+
+def describe_size(size: dict | None) -> str:
+    if not size:
+        return ""
+    gb = size["wheels_bytes"] / 1e9
+    return (f"{gb:.1f} GB of wheels for Linux x86_64 ({size['packages']} packages), ~{gb * INSTALLED_PER_WHEEL:.0f} GB "
+            f"installed (estimate)")

@@ -155,3 +155,19 @@ def test_scripts_gpu_check_runs_the_segments_check_and_prints_driver_build_and_v
     assert lines[0].split() == ["driver", "CUDA:", "12.4"], lines
     assert lines[1].startswith("torch build CUDA:") and lines[2].startswith("conclusion:       GPU check failed: "
                                                                           "the venv's torch sees 0 of the 1 GPUs given")
+
+
+def test_doctor_weighs_the_venv_against_venv_roots_quota(tmp_path):
+    from hpcrl.doctor import _venv_quota
+
+    site = {**_pm_site(), "venv_root": str(tmp_path / "venvs")}
+    spec = {"trainer": "verl", "args": {"rollout": "vllm"}, "requirements": []}
+    (tmp_path / "venvs" / "old").mkdir(parents=True)
+    (tmp_path / "venvs" / "old" / "blob").write_bytes(b"x" * 1_000_000)
+    [c] = _venv_quota({**site, "gpu_stack": {**site["gpu_stack"], "venv_quota_gb": 1}}, spec)
+    assert c.status == "fail" and "quota 1 GB" in c.detail and "4.5 GB of wheels" in c.detail, c
+    assert "another venv_root" in c.fix and "trainer_python" in c.fix
+    [c] = _venv_quota(site, spec)  # Perlmutter's default 10 GB: the wheels fit, the installed estimate not
+    assert c.status == "warn" and "~13 GB installed" in c.detail, c
+    [c] = _venv_quota({**site, "gpu_stack": {**site["gpu_stack"], "venv_quota_gb": 100}}, spec)
+    assert c.status == "pass"

@@ -35,6 +35,9 @@ GPU_RECIPES = ["gsm8k-grpo", "gsm8k-gspo", "countdown-grpo", "mbpp-code-grpo", "
 CACHE = Path(os.environ.get("HPCRL_RESOLVE_CACHE") or Path.home() / ".cache" / "hpcrl" / "resolve")
 
 
+RESOLVED: dict[str, rs.Resolved] = {}  # name -> its resolve, for the size table below
+
+
 def tpu_requirement_sets() -> list[tuple[str, list[str], str, str]]:
     """HOOK for the TPU recipes (issue 31 item 4, the `tpu` work): (name, requirements, python,
     driver note) of each TPU recipe's VM venv as MaxText documents it. Returns none until that
@@ -90,6 +93,7 @@ def check_set(name: str, requirements: list[str], python: str, driver_cuda: str,
         problems.append(f"{local[0]} is pinned with no index option that serves it")
     problems += [f"the trainer imports {p} at run time, and the set does not install it"
                  for p in runtime if rs.canonical(p) not in res.packages]
+    RESOLVED[name] = res
     print(f"\n[{name}] Python {python}, Linux x86_64, driver CUDA {driver_cuda}: {len(res.packages)} packages, "
           f"wheels {res.wheel_bytes / 1e9:.2f} GB, CUDA majors {sorted(set(majors.values())) or 'none named'}"
           f"{f'; {excused} CUDA packages came with the default-index stand-ins, not checked' if excused else ''}"
@@ -149,3 +153,31 @@ def test_a_driver_older_than_the_build_fails_the_set():
     assert any("torch==2.11.0+cu128 is a CUDA 12 build" in p for p in problems), problems
     problems = check_set("verl-gsm8k-grpo@flash", reqs, "3.12", "12.4", ["flash-attn"])
     assert problems == ["the trainer imports flash-attn at run time, and the set does not install it"]
+
+
+def test_size_table_matches_each_recipes_resolved_wheels():
+    """hpcrl/stack_sizes.py (what render, venv build and doctor show) holds each GPU recipe's
+    resolved wheel bytes; HPCRL_UPDATE_GOLDENS=1 rewrites it."""
+    import pprint
+
+    from hpcrl import stack
+    from hpcrl.stack_sizes import SIZES
+
+    want: dict = {}
+    for recipe in GPU_RECIPES:
+        resolved, reqs = gpu_case(recipe)
+        stack_facts = resolved["site"]["gpu_stack"]
+        res = rs.resolve(reqs, python=str(stack_facts.get("python_version") or "3.12"), cache_dir=CACHE)
+        key = stack.size_key(resolved["site"], reqs)
+        largest = sorted(((p.size or 0, p.name) for p in res.packages.values()), reverse=True)[:5]
+        entry = want.setdefault(key, {"recipes": [], "wheels_bytes": res.wheel_bytes, "packages": len(res.packages),
+                                      "largest": [[n, round(s / 1e6)] for s, n in largest],
+                                      "stand_ins": sorted(r for r in res.substituted if not r.startswith("--"))})
+        entry["recipes"].append(recipe)
+    path = ROOT / "hpcrl" / "stack_sizes.py"
+    if os.environ.get("HPCRL_UPDATE_GOLDENS") == "1":
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text[:text.index("SIZES: dict = ")] + "SIZES: dict = " + pprint.pformat(want, width=110)
+                        + "\n", encoding="utf-8")
+        return
+    assert SIZES == want, "hpcrl/stack_sizes.py is stale: rerun this test with HPCRL_UPDATE_GOLDENS=1"

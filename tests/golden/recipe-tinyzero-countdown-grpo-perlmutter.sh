@@ -65,6 +65,7 @@ export PYTHONUNBUFFERED=1
 # The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
 # the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
 # /global/common). The job only checks that it is ready and activates it; it writes nothing there.
+# Its size: 4.5 GB of wheels for Linux x86_64 (256 packages), ~13 GB installed (estimate)
 # Its requirements:
 #   --extra-index-url https://download.pytorch.org/whl/cu128
 #   verl[vllm]==0.9.1
