@@ -40,6 +40,7 @@ def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, e
         checks += _venv(site, the_spec, _in_job(environ), spec_file)
         checks += _gpu_driver(site, the_spec)
         checks += _venv_quota(site, the_spec)
+        checks += _nccl_plugin(site)
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
         checks += _paths({**site, "venv_root": None})
     return checks
@@ -139,6 +140,34 @@ def _venv_quota(site: dict, spec: dict) -> list[Check]:
     if need > free:
         return [Check("venv quota", "warn", f"{what}: likely more than is left", fix)]
     return [Check("venv quota", "pass", f"{what}: fits")]
+
+
+def _nccl_plugin(site: dict) -> list[Check]:
+    """A site with a multi-node NCCL set-up: after its modules load (in a non-interactive bash, as
+    in the job), is NCCL's network plugin (libnccl-net*.so) on the library path?"""
+    from . import stack
+
+    setup = stack.nccl_setup(site, 2)
+    if setup is None:
+        return []
+    modules = list(site.get("modules") or []) + setup["modules"]
+    script = "".join(f"module load {q(m)} || exit 91\n" for m in modules)
+    script += ('IFS=: ; for d in $LD_LIBRARY_PATH; do for f in "$d"/' + stack.PLUGIN_GLOB
+               + '; do [ -e "$f" ] && { echo "$f"; exit 0; }; done; done; exit 92\n')
+    try:
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return [Check("nccl", "warn", "loading the NCCL modules took over 2 minutes", "check the module system")]
+    fix = (f"on {site['name']}'s login node `module load {' '.join(setup['modules']) or '...'}` must put the "
+           f"aws-ofi-nccl plugin on LD_LIBRARY_PATH (`module show`); without it multi-node NCCL falls back to TCP")
+    if proc.returncode == 0:
+        return [Check("nccl", "pass", f"multi-node runs: NCCL's network plugin found ({proc.stdout.strip()})")]
+    if proc.returncode == 91 or "module: command not found" in proc.stderr:
+        return [Check("nccl", "warn", f"multi-node runs: `module load {' '.join(modules)}` fails here, so NCCL's "
+                                      f"network plugin cannot be looked for", fix)]
+    return [Check("nccl", "warn", f"multi-node runs: no {stack.PLUGIN_GLOB} on LD_LIBRARY_PATH after the modules "
+                                  f"load: NCCL would use TCP sockets across nodes", fix)]
 
 
 def _torch_cuda(python: str) -> str | None:

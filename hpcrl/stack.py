@@ -121,3 +121,24 @@ def describe_size(size: dict | None) -> str:
     gb = size["wheels_bytes"] / 1e9
     return (f"{gb:.1f} GB of wheels for Linux x86_64 ({size['packages']} packages), ~{gb * INSTALLED_PER_WHEEL:.0f} GB "
             f"installed (estimate)")
+
+
+# ------------------------------------------------------------------ NCCL across nodes
+
+PLUGIN_GLOB = "libnccl-net*.so*"  # the network plugin NCCL looks for on the library path
+
+
+def nccl_setup(site: dict, nodes: int) -> dict | None:
+    """The site's NCCL set-up for a run of `nodes` nodes ({'modules': [...], 'env': {...}}), or None
+    (one node: NCCL stays inside the node; a site that states none)."""
+    nccl = facts(site).get("nccl") or {}
+    if int(nodes or 1) < 2 or not nccl:
+        return None
+    env = {str(k): str(v) for k, v in (nccl.get("env") or {}).items()}
+    bad = next((k for k in env if not re.match(r"[A-Za-z_][A-Za-z0-9_]*\Z", k)), None)
+    if bad is not None:
+        from .errors import SiteError
+
+        raise SiteError(f"site '{site.get('name')}': gpu_stack.nccl.env: {bad!r} is not a variable name; "
+                        f"use letters, digits and _")
+    return {"modules": [str(m) for m in nccl.get("modules") or []], "env": env}

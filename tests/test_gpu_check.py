@@ -171,3 +171,36 @@ def test_doctor_weighs_the_venv_against_venv_roots_quota(tmp_path):
     assert c.status == "warn" and "~13 GB installed" in c.detail, c
     [c] = _venv_quota({**site, "gpu_stack": {**site["gpu_stack"], "venv_quota_gb": 100}}, spec)
     assert c.status == "pass"
+
+
+def test_two_node_perlmutter_render_sets_up_nccl_and_one_node_does_not(tmp_path):
+    from test_recipes_render import PERLMUTTER, render_recipe
+    from test_render import PY
+
+    two = render_recipe(tmp_path, "tinyzero-countdown-grpo", *PERLMUTTER, "--name", "n2", "--nodes", "2", PY)
+    block = two[two.index("# NCCL across nodes"):]
+    block = block[:block.index("\n\n")]
+    assert block.splitlines()[1:] == ["module load nccl", "export FI_CXI_DISABLE_HOST_REGISTER=1",
+                                      "export FI_MR_CACHE_MONITOR=userfaultfd", "export NCCL_CROSS_NIC=1",
+                                      "export NCCL_NET_GDR_LEVEL=PHB", "export NCCL_SOCKET_IFNAME=hsn"], block
+    assert two.index("module load nccl") < two.index("/verl/launch.py")  # before Ray and the trainer start
+    (tmp_path / "one").mkdir()
+    one = render_recipe(tmp_path / "one", "tinyzero-countdown-grpo", *PERLMUTTER, "--name", "n1", PY)
+    assert "NCCL_SOCKET_IFNAME" not in one and "module load nccl" not in one
+
+
+def test_doctor_says_whether_the_nccl_plugin_would_be_found(tmp_path, monkeypatch):
+    from hpcrl.doctor import _nccl_plugin
+
+    site = {**_pm_site(), "modules": []}
+    site["gpu_stack"] = {**site["gpu_stack"], "nccl": {**site["gpu_stack"]["nccl"], "modules": []}}
+    lib = tmp_path / "aws-ofi-nccl" / "lib"
+    lib.mkdir(parents=True)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(lib))
+    [c] = _nccl_plugin(site)
+    assert c.status == "warn" and "NCCL would use TCP sockets" in c.detail and "aws-ofi-nccl" in c.fix
+    (lib / "libnccl-net.so").write_bytes(b"")
+    [c] = _nccl_plugin(site)
+    assert c.status == "pass" and str(lib / "libnccl-net.so") in c.detail
+    [c] = _nccl_plugin(_pm_site())  # no `module` command here: said, not guessed
+    assert c.status == "warn" and "module load python nccl" in c.detail

@@ -62,6 +62,15 @@ export VLLM_ATTENTION_BACKEND=XFORMERS
 export PYTHONUNBUFFERED=1
 
 
+# NCCL across nodes (site gpu_stack.nccl): the network plugin and the interconnect's settings
+module load nccl
+export FI_CXI_DISABLE_HOST_REGISTER=1
+export FI_MR_CACHE_MONITOR=userfaultfd
+export NCCL_CROSS_NIC=1
+export NCCL_NET_GDR_LEVEL=PHB
+export NCCL_SOCKET_IFNAME=hsn
+
+
 # The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
 # the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
 # /global/common). The job only checks that it is ready and activates it; it writes nothing there.
