@@ -204,3 +204,22 @@ def test_doctor_says_whether_the_nccl_plugin_would_be_found(tmp_path, monkeypatc
     assert c.status == "pass" and str(lib / "libnccl-net.so") in c.detail
     [c] = _nccl_plugin(_pm_site())  # no `module` command here: said, not guessed
     assert c.status == "warn" and "module load python nccl" in c.detail
+
+
+def test_a_users_site_file_overrides_the_driver_and_the_build(home, tmp_path):
+    """A node whose driver runs CUDA 13 (R580+): the user's site file says so and drops the CUDA 12
+    variant, and the venv installs the default index's builds; the NCCL set-up stays."""
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "pm13.yaml").write_text("extends: perlmutter\ngpu_stack:\n  driver_cuda: '13.0'\n  cuda_variant: null\n",
+                                     encoding="utf-8")
+    from hpcrl import spec, venv
+
+    resolved = spec.resolve(str(ROOT / "hpcrl" / "recipes" / "gsm8k-grpo.yaml"), "pm13",
+                            flags={"account": "m1234_g", "hours": 4})
+    stack_facts = resolved["site"]["gpu_stack"]
+    assert stack_facts["driver_cuda"] == "13.0" and stack_facts["nccl"]["env"]["NCCL_SOCKET_IFNAME"] == "hsn"
+    reqs = venv.requirements(resolved)
+    assert "vllm==0.24.0" in reqs and "torch==2.11.0" in reqs and not any(r.startswith("--") for r in reqs)
+    resolved = spec.resolve(str(ROOT / "hpcrl" / "recipes" / "gsm8k-grpo.yaml"), "perlmutter",
+                            flags={"account": "m1234_g", "hours": 4})
+    assert "torch==2.11.0+cu128" in venv.requirements(resolved)
