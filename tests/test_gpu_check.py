@@ -223,3 +223,23 @@ def test_a_users_site_file_overrides_the_driver_and_the_build(home, tmp_path):
     resolved = spec.resolve(str(ROOT / "hpcrl" / "recipes" / "gsm8k-grpo.yaml"), "perlmutter",
                             flags={"account": "m1234_g", "hours": 4})
     assert "torch==2.11.0+cu128" in venv.requirements(resolved)
+
+
+def test_verl_attention_defaults_to_sdpa_and_a_users_own_override_wins():
+    from hpcrl.trainers.verl import VerlTrainer
+
+    from helpers import adapter_context
+
+    t = VerlTrainer()
+    base = {"model": "/m", "train_files": "/t.parquet", "val_files": "/v.parquet", "algorithm": "ppo"}
+    ov = t.overrides(adapter_context(t, t.validate_args(base), "/run"))
+    for role in ("actor_rollout_ref", "critic"):
+        assert f"+{role}.model.override_config.attn_implementation=sdpa" in ov
+        assert f"{role}.model.use_remove_padding=False" in ov
+    assert "flash-attn" not in t.runtime_packages(t.validate_args(base))
+    mine = "+actor_rollout_ref.model.override_config.attn_implementation=eager"
+    ov = t.overrides(adapter_context(t, t.validate_args({**base, "overrides": [mine]}), "/run"))
+    assert mine in ov and "+actor_rollout_ref.model.override_config.attn_implementation=sdpa" not in ov
+    flash = t.validate_args({**base, "attention": "flash_attention_2"})
+    assert "flash-attn" in t.runtime_packages(flash)
+    assert not any("attn_implementation" in o for o in t.overrides(adapter_context(t, flash, "/run")))

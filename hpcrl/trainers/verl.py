@@ -186,7 +186,9 @@ class VerlTrainer(Trainer):
         """The static Hydra overrides (the launcher appends the per-segment ones)."""
         a = ctx.args
         pairs = {**self._data(a), **self._model(ctx), **self._algorithm(ctx), **self._trainer(ctx)}
-        return [_kv(k, v) for k, v in pairs.items()] + list(a["overrides"])
+        # a key the user overrides too is theirs (Hydra refuses `+key` twice)
+        theirs = {_OVERRIDE.match(o).group(2) for o in a["overrides"] if _OVERRIDE.match(o)}
+        return [_kv(k, v) for k, v in pairs.items() if k.lstrip("+") not in theirs] + list(a["overrides"])
 
     def command(self, ctx: TrainerContext) -> list[str]:
         a = ctx.args
