@@ -16,6 +16,7 @@ other, and what those builds bring in is the default index's build, not theirs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -71,8 +72,9 @@ def uv_binary() -> str:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def reachable(url: str, timeout: float = 5.0) -> bool:
-    """Whether this machine reaches `url`'s host at all (any HTTP answer counts)."""
+    """Whether this machine reaches `url`'s host at all (any HTTP answer counts); asked once per process."""
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
         return True
@@ -119,7 +121,7 @@ def resolve(requirements: list[str], python: str = "3.12", cache_dir: Path | Non
 
     reqs, subs = reachable_form(list(requirements), can_reach)
     uv = uv_binary()
-    version = subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip()
+    version = _uv_version(uv)
     key = hashlib.sha256("\n".join([python, PLATFORM, version, *reqs]).encode()).hexdigest()[:20]
     cache = Path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache and cache.is_file():
@@ -135,6 +137,11 @@ def resolve(requirements: list[str], python: str = "3.12", cache_dir: Path | Non
                                   indent=1, sort_keys=True), encoding="utf-8")
         os.replace(tmp, cache)
     return Resolved(packages, subs, took, False)
+
+
+@functools.lru_cache(maxsize=None)
+def _uv_version(uv: str) -> str:
+    return subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip()
 
 
 def _compile(uv: str, reqs: list[str], python: str) -> dict[str, Package]:
