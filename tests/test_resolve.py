@@ -180,4 +180,9 @@ def test_size_table_matches_each_recipes_resolved_wheels():
         path.write_text(text[:text.index("SIZES: dict = ")] + "SIZES: dict = " + pprint.pformat(want, width=110)
                         + "\n", encoding="utf-8")
         return
-    assert SIZES == want, "hpcrl/stack_sizes.py is stale: rerun this test with HPCRL_UPDATE_GOLDENS=1"
+    stale = "hpcrl/stack_sizes.py is stale: rerun this test with HPCRL_UPDATE_GOLDENS=1"
+    assert sorted(SIZES) == sorted(want), stale  # a requirement set changed
+    for key, entry in want.items():
+        # ranges (transformers>=5.0,<5.20, ...) resolve to newer releases over time: 10% leeway
+        assert SIZES[key]["recipes"] == entry["recipes"], stale
+        assert abs(SIZES[key]["wheels_bytes"] - entry["wheels_bytes"]) <= 0.1 * entry["wheels_bytes"], stale
