@@ -69,6 +69,9 @@ SITE_DEFAULTS = {
     # whose values the job's shell expands ($SCRATCH there, not here)
     "gpu_account_suffix": None,
     "job_env": {},
+    # GPU sites: the CUDA the nodes' driver runs, the builds the venv installs for it, the
+    # venv_root quota, NCCL across nodes (hpcrl/stack.py reads it; docs/perlmutter.md)
+    "gpu_stack": {},
 }
 # Keys a backend adds (Backend.site_keys: TPU's project, zone, bucket, ...) join these in
 # site_keys(); the backend owns their meaning and checks them in complete_site.

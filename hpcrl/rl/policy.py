@@ -9,8 +9,30 @@ from . import memory
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        cpu_only_or_fail()
+        return torch.device("cpu")
     return torch.device(name)
+
+
+def cpu_only_or_fail() -> None:
+    """On a GPU site (the segment script exports HPCRL_GPUS_REQUIRED=1 where it checks the GPUs:
+    a site that states its driver) a torch that cannot see the GPUs it was given stops the trainer
+    with the reason: it never trains on the CPU without a word. Elsewhere the CPU is the device
+    (a CPU site; a test cluster whose GPUs are stand-ins)."""
+    import os
+
+    from .. import gpucheck
+    from .gpucheck import torch_build
+
+    if os.environ.get("HPCRL_GPUS_REQUIRED") == "1":
+        _, line = gpucheck.verdict(gpucheck.gpus_given(), *torch_build(), gpucheck.driver_cuda())
+        raise NoGPU(line)
+
+
+class NoGPU(RuntimeError):
+    """The job was given GPUs that this torch cannot see (the message: gpucheck's one line)."""
 
 
 def load_policy(model_dir, device: torch.device):
