@@ -2,8 +2,8 @@
 
 Runs in the job as `python -m hpcrl.job.maxtext` (stdlib only, from the run's lib/ snapshot of
 hpcrl on PYTHONPATH: the job's interpreter, a Python >= 3.12 venv on the TPU VM, needs no hpcrl
-installed), under the one supervisor of hpcrl/job/supervisor.py. The argv the batch script shows is the whole static MaxText command line;
-this script only appends, per segment:
+installed), under the one supervisor of hpcrl/job/supervisor.py. The argv the batch script shows
+is the whole static MaxText command line; this module only appends, per segment:
 
     num_test_batches=0    on every segment after the first with --eval first (MaxText has no key
                           that skips only the pre-training evaluation; it reruns it on every
@@ -329,7 +329,7 @@ class MaxTextSupervisor(Supervisor):
         p.add_argument("--eval", choices=("first", "every"), default="first",
                        help="pre-training evaluation in the first segment only, or in every one")
 
-    def command(self) -> list[str]:
+    def setup(self) -> None:
         self.store = store_for(self.opts.ckpt_root, self.env)
         self.poll_s = self.store.poll_s
         self.saves: list[tuple[int, float]] = []  # (step, when seen committed) in this segment
@@ -338,6 +338,8 @@ class MaxTextSupervisor(Supervisor):
         self.requested_at = None
         self.metrics = None
         self.cleaned: list[str] = []  # temporary directories of interrupted saves removed at start
+
+    def command(self) -> list[str]:
         return [self.opts.python, "-m", MODULE, *self.opts.args, *runtime_keys(self.opts, self.env)]
 
     def prepare(self) -> None:

@@ -17,9 +17,9 @@ What every foreign trainer gets from here, once:
   reason goes to the log and to RUN_DIR/ERROR_FILE, and the code is EXIT_UNSAVED_END); a failure's
   code passes through (a death by signal N as 128 + N, as a shell reports it).
 
-A subclass holds only its trainer's knowledge: its arguments (`add_arguments`), the argv it runs
-(`command`), what to tidy before it starts (`prepare`), how it sees saves and metrics
-(`poll_once`), how it stops. hpcrl/job/verl.py and hpcrl/job/maxtext.py are the two today.
+A subclass holds only its trainer's knowledge: its arguments (`add_arguments`), its state
+(`setup`), the argv it runs (`command`), what to tidy before it starts (`prepare`), how it sees
+saves and metrics (`poll_once`), how it stops. hpcrl/job/verl.py and hpcrl/job/maxtext.py are the two today.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.request: str | None = None  # "term" | "usr1" | a subclass's own reason to stop
         self.stopped_for_continue = False
+        self.setup()
         self.argv = self.command()
 
     # ------------------------------------------------------------ what a subclass says
@@ -82,6 +83,9 @@ class Supervisor:
     @classmethod
     def default_run_dir(cls, opts) -> Path:
         return Path(".")
+
+    def setup(self) -> None:
+        """The trainer's own state, before `command` (no side effects: a dry run makes it too)."""
 
     def command(self) -> list[str]:
         """The trainer's argv for this segment (may add to self.env what the trainer needs)."""

@@ -291,17 +291,20 @@ class VerlSupervisor(Supervisor):
     def default_run_dir(cls, opts) -> Path:
         return Path(opts.ckpt_dir).parent
 
-    def command(self) -> list[str]:
+    def setup(self) -> None:
         self.ckpt_dir = Path(self.opts.ckpt_dir)
-        self.times = past_step_times(self.run_dir, self.segment)
-        argv = [self.opts.python, "-m", "verl.trainer.main_ppo", *expand_paths(self.opts.args, self.env),
-                *runtime_overrides(self.opts, self.env, self.run_dir, self.times)]
-        self.env.update(actor_env(self.opts, self.env, self.run_dir))  # a Ray started by the driver inherits these
+        self.times = past_step_times(self.run_dir, self.segment)  # earlier segments' steps
         self.metrics_file = metrics_path(self.run_dir, self.segment)
         self.offset = 0
+        self.last_ckpt = None  # the tracker's step when last read (prepare reads it)
         self.stop_after = None  # (saved step, when decided): stop once its metrics are logged
         self.last_logged = None  # the highest step verl logged a training record for
         self.warmup_s = None  # the segment's first step (verl's warm-up): a step time only while alone
+
+    def command(self) -> list[str]:
+        argv = [self.opts.python, "-m", "verl.trainer.main_ppo", *expand_paths(self.opts.args, self.env),
+                *runtime_overrides(self.opts, self.env, self.run_dir, self.times)]
+        self.env.update(actor_env(self.opts, self.env, self.run_dir))  # a Ray started by the driver inherits these
         return argv
 
     def dry_run_view(self) -> dict:
