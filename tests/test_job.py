@@ -118,3 +118,31 @@ def test_dry_runs_show_what_each_would_run(tmp_path):
         argv = json.loads(out.stdout)["argv"]
         assert argv[:2] == ["py", "-m"] and "x=1" in argv, argv
         assert not (tmp_path / "ckpt").exists()  # a dry run prepares nothing
+
+
+@pytest.mark.parametrize("which, code, said", [
+    ("verl", 128 + 15, None),  # TERM goes to verl at once; its death by TERM is the segment's code
+    ("maxtext", protocol.EXIT_CONTINUE, "stopped MaxText after its committed save of step 1: TERM"),
+])
+def test_a_term_while_training_reaches_the_trainer_by_each_launchers_policy(tmp_path, which, code, said):
+    from helpers import wait_until
+
+    module, args, _ = LAUNCHERS[which]
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "1").mkdir(parents=True)  # MaxText: an earlier committed save
+    stand_in = tmp_path / "stand-in"
+    stand_in.write_text(f"#!/bin/bash\ntouch {tmp_path}/started\nsleep 60\nexit 0\n")
+    stand_in.chmod(0o755)
+    launcher, env = job_launcher(tmp_path, module)
+    env.update(protocol_env(tmp_path, deadline=time.time() + 3600))
+    proc = subprocess.Popen([*launcher, "--python", str(stand_in), *[a.format(ckpt=ckpt) for a in args], "--", "x=1"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (tmp_path / "started").exists(), 60, "the stand-in to start", proc=proc)
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
+    assert said is None or said in err
