@@ -358,6 +358,13 @@ def cmd_segment(ns) -> int:
         print(f"{started[0]} {started[1]:.3f} {int(started[2])}")
     elif ns.phase == "successor":
         return 0 if launch.keep_successor(ns.run_dir, ns.job_id) else 1
+    elif ns.phase == "next":  # a TPU VM runs the run's next segment itself
+        nxt = launch.segment_next_here(ns.run_dir, ns.job_id)
+        if nxt is None:
+            from .protocol import EXIT_NOTHING_TO_DO
+
+            return EXIT_NOTHING_TO_DO
+        print(f"{nxt[0]} {nxt[1]}")
     else:
         launch.segment_end(ns.run_dir, ns.job_id, ns.rc)
     return 0
@@ -473,7 +480,7 @@ def build_parser(listing: bool = False) -> argparse.ArgumentParser:
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(func=_rl_command(name))
     sp = sub.add_parser("_segment")  # used by the segment script; hidden from the help list
-    sp.add_argument("phase", choices=["begin", "successor", "end"])
+    sp.add_argument("phase", choices=["begin", "successor", "end", "next"])
     sp.add_argument("run_dir")
     sp.add_argument("--job-id", required=True)
     sp.add_argument("--rc", type=int, default=0)

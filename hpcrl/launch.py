@@ -88,7 +88,7 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
         venv=venv_path(site, requirements(resolved)), venv_prebuilt=backend.jobs_share_this_environment,
         requirements=requirements(resolved), venv_build_command=build_command(run_id),
-        nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
+        venv_install=trainer.venv_installer(ctx), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
         exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None))
 
 
@@ -384,6 +384,28 @@ def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
             until = _job_end_from_env(spec, environ)
             lifecycle.successor_failed(state, str(e), clock(), until=until)
     keep_successor(run_dir, job_id, until)
+
+
+def segment_next_here(run_dir: str, job_id: str) -> tuple[str, int] | None:
+    """Inside a job whose machine runs the run's next segment itself (a TPU VM, which has no
+    walltime): queue it here, (its job id, its seconds), or None when the run needs none (the
+    lifecycle's stop, budget and crash-loop rules decide, as the watcher's would)."""
+    run = Run(Path(run_dir))
+    backend = backend_for(run)
+    step = checkpoint_step(run, remote=True)
+    with run.locked() as state:
+        # killed at its deadline before its end hook ran: judged by its checkpoints
+        lifecycle.close_segment(state, job_id, "ended without its end hook (killed at its deadline)", step, clock())
+        if not any(isinstance(a, Queue) for a in lifecycle.next_segment(state, clock())):
+            return None
+        next_id = backend.next_job_here(state, job_id)
+        seg = lifecycle.queued(state, next_id, job_id, clock())
+        resolved = run.spec()
+        resolved["spec"]["budget"] = dict(state["budget"])
+        seg["asked"] = asked_of(resolved)
+        state["state"], state["reason"] = lifecycle.RunState.RESUBMITTED.value, ""
+        lifecycle.add_event(state, f"next segment queued on the same machine (job {next_id})", clock())
+        return next_id, max(1, round(float(state["budget"]["hours"]) * 3600))
 
 
 def error_tail(run: Run, state: dict, lines: int = 3) -> str:

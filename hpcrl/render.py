@@ -76,6 +76,7 @@ class ScriptParts:
     venv_prebuilt: bool = True
     requirements: list[str] = field(default_factory=list)
     venv_build_command: str = "hpcrl venv build"
+    venv_install: str | None = None  # the trainer's installer script for a venv built in the job
     nothing_to_do: int = 3    # protocol.EXIT_NOTHING_TO_DO of `_segment begin`
     exit_continue: int = 85   # protocol.EXIT_CONTINUE: the job itself then ends 0 for its scheduler
     # Under a multi-process launcher (torchrun, srun): the backend's bash before it (None: the
@@ -101,6 +102,7 @@ def render_script(p: ScriptParts) -> str:
         hpcrl_python=p.hpcrl_python, hpcrl_src=str(lay.lib), job_id_line=p.job_id_line,
         modules=site.get("modules", []), setup=site.get("setup", []), venv=p.venv, venv_prebuilt=p.venv_prebuilt,
         requirements=p.requirements, venv_build_command=p.venv_build_command, error_file=ERROR_FILE,
+        venv_install=p.venv_install,
         trainer_python=site.get("trainer_python"), python=site.get("python") or "python3",
         requirements_file=str(lay.requirements), env=env, nothing_to_do=int(p.nothing_to_do),
         exit_continue=int(p.exit_continue),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,10 @@ WHEEL_SHA256 = "2fe8e4ffc3a06bd06f94daeaaf5fe3ecee748bb6f661c0f426e07e2ca10c9406
 RL_KEYS = config_keys((DATA / "base.yml").read_text(), (DATA / "rl.yml").read_text())
 
 
-def ctx_for(args, chips=4, nodes=1, run_dir="/home/u/hpcrl/runs/r-1"):
+def ctx_for(args, chips=4, nodes=1, run_dir="/home/u/hpcrl/runs/r-1", bucket=None):
     trainer = MaxTextTrainer()
-    return trainer, adapter_context(trainer, args, run_dir, site={"chips_per_vm": chips}, resources={"nodes": nodes})
+    site = {"chips_per_vm": chips, **({"bucket": bucket} if bucket else {})}
+    return trainer, adapter_context(trainer, args, run_dir, site=site, resources={"nodes": nodes})
 
 
 def rendered_pairs(argv):
@@ -42,13 +44,18 @@ def rendered_pairs(argv):
 def test_recipe_renders_only_keys_of_the_pinned_rl_config(name, loss_algo, chips):
     spec = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     assert spec["trainer"] == "maxtext"
-    trainer, ctx = ctx_for(spec["args"], chips=chips)
+    trainer, ctx = ctx_for(spec["args"], chips=chips, bucket="gs://my-bucket")
     pairs = rendered_pairs(trainer.command(ctx))
     assert set(pairs) <= RL_KEYS, sorted(set(pairs) - RL_KEYS)
     assert pairs["loss_algo"] == loss_algo and pairs["chips_per_vm"] == str(chips)
-    assert pairs["run_name"] == "r-1" and pairs["base_output_directory"] == spec["args"]["base_output_directory"]
-    assert pairs["load_parameters_path"].endswith("/0/items") and int(pairs["checkpoint_period"]) > 0
-    assert trainer.checkpoint_root(ctx) == f"{spec['args']['base_output_directory']}/r-1/checkpoints"
+    # the recipes' placeholder bucket takes the site's
+    assert pairs["run_name"] == "r-1" and pairs["base_output_directory"] == "gs://my-bucket/hpcrl"
+    assert pairs["load_parameters_path"] == "gs://my-bucket/llama3.1-8b-maxtext/0/items"
+    assert int(pairs["checkpoint_period"]) > 0
+    assert trainer.checkpoint_root(ctx) == "gs://my-bucket/hpcrl/r-1/checkpoints"
+    _, no_bucket = ctx_for(spec["args"], chips=chips)  # a site without a bucket: the placeholder is refused
+    with pytest.raises(SpecError, match="gs://YOUR_BUCKET/hpcrl is a placeholder"):
+        trainer.command(no_bucket)
 
 
 def test_loss_algo_values_are_the_ones_maxtext_accepts():
@@ -58,7 +65,7 @@ def test_loss_algo_values_are_the_ones_maxtext_accepts():
 
 
 def test_command_is_the_seed_command_for_defaults():
-    trainer, ctx = ctx_for({"load_parameters_path": "gs://b/ckpt/0/items", "algorithm": "gspo"}, chips=8)
+    trainer, ctx = ctx_for({"load_parameters_path": "gs://bkt/ckpt/0/items", "algorithm": "gspo"}, chips=8)
     pairs = rendered_pairs(trainer.command(ctx))
     for key in ("model_name", "load_parameters_path", "run_name", "base_output_directory", "chips_per_vm", "loss_algo"):
         assert key in pairs  # the tutorial's command line
@@ -144,7 +151,7 @@ def test_launcher_argv_carries_cadence_layout_and_eval_choice():
     opts = maxtext_launch.parse_args(argv[3:])
     assert opts.ckpt_root == "/home/u/hpcrl/runs/r-1/maxtext/r-1/checkpoints/actor"
     assert (opts.period, opts.total_steps, opts.eval) == (7, 30, "every")
-    assert trainer.files(ctx) == {}  # the launcher is hpcrl.job.maxtext, in the run's lib/ snapshot
+    assert not any(name.endswith(".py") for name in trainer.files(ctx))  # the launcher: hpcrl.job.maxtext, in lib/
 
 
 def test_launcher_skips_pre_training_eval_after_the_first_segment():
@@ -185,7 +192,7 @@ def test_gs_checkpoints_are_listed_by_the_hooks_and_read_from_the_cache_by_statu
     fake, _ = use_fake_gcloud(monkeypatch, tmp_path)
     run_dir = tmp_path / "r-1"
     run_dir.mkdir()
-    args = MaxTextTrainer().validate_args({"load_parameters_path": "gs://b/ckpt", "base_output_directory": "gs://bucket"})
+    args = MaxTextTrainer().validate_args({"load_parameters_path": "gs://bkt/ckpt", "base_output_directory": "gs://bucket"})
     (run_dir / "spec.json").write_text(json.dumps({"spec": {"args": args, "resources": {"nodes": 1}},
                                                    "site": {"chips_per_vm": 4}}))
     # Tunix's layout: checkpoints/actor/<step>/; on GCS Orbax writes <step>/ in place and commits
@@ -317,3 +324,35 @@ def test_metrics_from_tunix_events_reach_hpcrl_records(tmp_path):
     assert [r["step"] for r in last] == [4]  # the newest step waits for the final poll
     for r in recs:
         assert r["trainer"] == "maxtext" and {"loss", "kl", "grad_norm", "reward_mean", "response_len"} <= set(r), r
+
+
+# sha256 of the wheel's own files (its RECORD, urlsafe base64 without padding), which hpcrl ships
+WHEEL_RECORD = {"tpu_post_train_overrides.txt": "AVbTpm53TCrAMoioPHIKvOSbiFpfa1efhh4eBJV7U6Q",
+                "post_train_github_deps.txt": "CjxGLHR1RW4QaPMVegh64f9VjTMmRKzyN7igQQUJ8Sc"}
+
+
+def test_tpu_requirement_set_is_maxtexts_documented_install():
+    import base64
+
+    from hpcrl.trainers.maxtext import DEPS_DIR, tpu_github_deps, tpu_requirements, venv_install_script
+
+    for name, digest in WHEEL_RECORD.items():
+        ours = base64.urlsafe_b64encode(hashlib.sha256((DEPS_DIR / name).read_bytes()).digest()).rstrip(b"=").decode()
+        assert ours == digest, f"{name} is not the 0.2.5 wheel's"
+    lines, options = tpu_requirements({"spec": {"requirements": ["wandb==0.19.0"]}})
+    assert lines == ["maxtext[tpu-post-train]==0.2.5", "wandb==0.19.0"]
+    # torch==2.11.0+cpu (the extra's pin) only on PyTorch's CPU index: uv's torch backend, as MaxText's setup.sh
+    assert options[:2] == ["--torch-backend=cpu", "--resolution=lowest"]
+    overrides = Path(options[2].split("=", 1)[1]).read_text()
+    assert options[2].startswith("--override=") and {"jax==0.11.0", "libtpu==0.0.44", "flax==0.12.8"} <= set(overrides.split())
+    deps = tpu_github_deps()
+    assert [d.split(" @ ")[0] for d in deps] == ["google-tunix", "tpu-inference", "vllm"]
+    assert all(re.search(r"[0-9a-f]{40}", d) for d in deps), "each pinned to a commit"
+    script = venv_install_script()
+    for step in ("uv venv --python 3.12 --seed \"$venv\"",
+                 "uv pip install --python \"$venv/bin/python\" --torch-backend=cpu --resolution=lowest "
+                 "--override \"$here/tpu_post_train_overrides.txt\" -r \"$requirements\"",
+                 "install_tpu_post_train_extra_deps\n"):
+        assert step in script, step
+    body = script.split("\nset -euo pipefail\n", 1)[1]  # the commands, after the header's comments
+    assert body.index("uv venv") < body.index("uv pip install --python") < body.index("install_tpu_post_train")

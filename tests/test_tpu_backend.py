@@ -27,7 +27,7 @@ SITE = {"name": "tpu-v5p-8", "project": "my-proj", "zone": "us-east5-a", "accele
         "signal_lead_s": 300, "kill_grace_s": 30, "hpcrl_python": "/usr/bin/python3"}
 FIXED = {"HPCRL_HOME": "/home/user/.local/share/hpcrl", "HPCRL_SITES_DIR": "/nonexistent/sites"}
 RULE = "# " + "=" * 76 + "\n"  # between the parts of `hpcrl render` for a TPU site
-TPU_SETS = ["--set", "site.project=my-proj", "--set", "site.zone=us-east5-a", "--set", "site.bucket=gs://b"]
+TPU_SETS = ["--set", "site.project=my-proj", "--set", "site.zone=us-east5-a", "--set", "site.bucket=gs://bkt"]
 
 
 def site(**changes) -> dict:
@@ -183,9 +183,9 @@ def test_qr_names_fit_gcloud_rules_and_stay_unique():
 @pytest.mark.parametrize("changes, message", [
     ({"project": None}, "project is not set; pass --set site.project=P"),
     ({"zone": None}, "zone is not set; pass --set site.zone=Z"),
-    ({"bucket": None}, "bucket is not set; pass --set site.bucket=gs://YOUR_BUCKET"),
+    ({"bucket": None}, "bucket is not set; pass --set site.bucket=gs://NAME"),
     ({"bucket": "my-bucket"}, "bucket 'my-bucket' is not valid"),
-    ({"bucket": "gs://b/$(id)"}, "is not valid"),
+    ({"bucket": "gs://bkt/$(id)"}, "is not valid"),
     ({"project": "a'; id"}, "project \"a'; id\" is not valid"),
     ({"provisioning": "cheap"}, "provisioning 'cheap' must be one of best-effort, on-demand, reserved, spot"),
     ({"max_retries": -1}, "max_retries -1 must be a whole number >= 0"),
@@ -230,14 +230,16 @@ def test_render_maxtext_recipe_prints_argv_and_startup_script(home, tmp_path, si
     assert f"chips_per_vm={chips}" in job and "export HPCRL_RUN_DIR=/var/lib/hpcrl/runs/mx" in job
     # the pinned venv, installed from requirements.txt (the script lists the requirements in comments only)
     commands = "\n".join(ln for ln in job.splitlines() if not ln.lstrip().startswith("#"))
-    assert "maxtext[tpu-post-train]==0.2.5" not in commands and "python3.12 -m venv" in job
+    assert "maxtext[tpu-post-train]==0.2.5" not in commands and "-m venv" not in commands
+    # built as MaxText documents it, by the adapter's installer (tests/test_maxtext.py reads it)
+    assert 'bash /var/lib/hpcrl/runs/mx/maxtext/install-venv.sh "$venv" /var/lib/hpcrl/runs/mx/requirements.txt' in job
     assert "#   maxtext[tpu-post-train]==0.2.5\n" in job
     for line in ("#   create", "#   hpcrl-mx-1", "#   --project=my-proj", "#   --zone=us-east5-a",
                  f"#   --accelerator-type={accel}", f"#   --runtime-version={runtime}", "#   --spot",
                  "#   --metadata-from-file=startup-script=RUN_DIR/.tpu/hpcrl-mx-1.startup.sh"):
         assert line in argv.splitlines()
     assert startup.startswith("#!/bin/bash\n") and "segment_s=14400" in startup
-    assert "run_uri=gs://b/hpcrl-runs/mx/run" in startup
+    assert "run_uri=gs://bkt/hpcrl-runs/mx/run" in startup
     if site_name == "tpu-v5p-8":
         check_golden("tpu-v5p-8-maxtext-render.txt", text)
 
@@ -249,21 +251,21 @@ def test_project_and_zone_default_to_gcloud_config(home, tmp_path):
                                                           f"{os.pathsep}{os.environ['PATH']}"}
     (fake / "scenario.json").write_text(json.dumps({"config": {"project": "cfg-proj", "compute/zone": "us-east5-b"},
                                                     "creates": []}))
-    out = hpcrl("render", "--site", "tpu-v6e-8", "--trainer", "smoke", "--set", "site.bucket=gs://b", "--name", "s",
+    out = hpcrl("render", "--site", "tpu-v6e-8", "--trainer", "smoke", "--set", "site.bucket=gs://bkt", "--name", "s",
                 env=env).stdout
     assert "#   --project=cfg-proj" in out and "#   --zone=us-east5-b" in out
     calls = [json.loads(ln)["argv"] for ln in (fake / "calls.jsonl").read_text().splitlines()]
     assert calls == [["config", "get-value", "project"], ["config", "get-value", "compute/zone"]]
     (fake / "scenario.json").write_text(json.dumps({"config": {}, "creates": []}))  # gcloud has no project set
-    r = hpcrl("render", "--site", "tpu-v6e-8", "--trainer", "smoke", "--set", "site.bucket=gs://b", check=False, env=env)
+    r = hpcrl("render", "--site", "tpu-v6e-8", "--trainer", "smoke", "--set", "site.bucket=gs://bkt", check=False, env=env)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
     assert "site 'tpu-v6e-8': project is not set; pass --set site.project=P" in r.stderr
 
 
 def test_no_gcloud_and_no_project_is_one_line(home, tmp_path):
     env = {**FIXED, "PATH": str(tmp_path)}  # neither gcloud nor anything else
-    r = hpcrl("render", "--site", "tpu-v5p-8", "--trainer", "smoke", "--set", "site.bucket=gs://b", check=False, env=env)
+    r = hpcrl("render", "--site", "tpu-v5p-8", "--trainer", "smoke", "--set", "site.bucket=gs://bkt", check=False, env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--set site.project=P" in r.stderr
     r = hpcrl("render", "--site", "tpu-v5p-8", "--trainer", "smoke", "--set", "site.project=my-proj",
               "--set", "site.zone=us-east5-a", check=False, env=env)
-    assert r.returncode == 2 and "bucket is not set; pass --set site.bucket=gs://YOUR_BUCKET" in r.stderr
+    assert r.returncode == 2 and "bucket is not set; pass --set site.bucket=gs://NAME" in r.stderr

@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from helpers import hpcrl, read_metrics, run_dir, run_state, started
+from helpers import ROOT, hpcrl, read_metrics, run_dir, run_state, started
 
 FAKE = Path(__file__).resolve().parent / "fake_gcloud"
+RECIPES = ROOT / "hpcrl" / "recipes"
 QUOTA = "Quota limit 'TPUV5PPreemptiblePodPerProjectPerZone' exceeded. Limit: 0 in zone us-east5-a"
 
 
@@ -26,8 +28,8 @@ class Cloud:
 
     def __init__(self, root: Path):
         self.dir, self.gcs, self.vm = root / "fake", root / "gcs", root / "vm"
-        for d in (self.dir, self.gcs, self.vm):
-            d.mkdir(parents=True)
+        for d in (self.dir, self.gcs / "fake-bucket", self.vm):
+            d.mkdir(parents=True)  # the bucket exists (submit lists it)
 
     def scenario(self, creates: list[dict], **extra) -> None:
         data = {"config": {}, "vm_env": {"HPCRL_SYNC_S": "0.3"}, "creates": creates, **extra}
@@ -38,6 +40,13 @@ class Cloud:
         path = self.dir / "calls.jsonl"
         argvs = [["gcloud", *json.loads(ln)["argv"]] for ln in path.read_text().splitlines()] if path.exists() else []
         return [a for a in argvs if all(w in a for w in words)]
+
+    def vm_calls(self, *words: str, vm: bool) -> list[list[str]]:
+        """Recorded argvs made by a "VM" (vm=True: its startup script) or by hpcrl here (False)."""
+        path = self.dir / "calls.jsonl"
+        recs = [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+        return [["gcloud", *r["argv"]] for r in recs
+                if bool(r.get("vm")) == vm and all(w in r["argv"] for w in words)]
 
     def qrs(self) -> dict:
         path = self.dir / "qrs.json"
@@ -67,7 +76,7 @@ def cloud(home, tmp_path, monkeypatch):
     (sites / "tputest.yaml").write_text(
         "extends: tpu-v5p-8\nproject: fake-proj\nzone: us-east5-a\nbucket: gs://fake-bucket\n"
         f"hpcrl_python: {json.dumps(sys.executable)}\nsetup: []\nvenv_root: null\nvm_root: {json.dumps(str(c.vm))}\n"
-        "signal_lead_s: 1\nexit_margin_s: 0.5\nkill_grace_s: 2\nmax_retries: 2\n")
+        "signal_lead_s: 1\nexit_margin_s: 0.5\nkill_grace_s: 2\nmax_retries: 2\nreport_margin_s: 2\n")
     yield c
     c.kill_vms()
 
@@ -104,15 +113,16 @@ def test_accepted_active_deadline_resubmit_resume_done(cloud):
     assert len(ran) >= 2, "the 5 s segment deadline cut the 3 s of training"
     assert all(s["state"] == "CONTINUE" and s["rc"] == 85 for s in ran[:-1]) and ran[-1]["state"] == "COMPLETE"
     assert_resumed_exactly(state, 30, rdir)
-    # one queued resource per segment, each created with the rendered startup script, each deleted
+    # one queued resource for the whole run, created with the rendered startup script: its VM ran
+    # every segment (the deadline stopped the trainer, not the VM) and deleted itself at the end
     creates = cloud.calls("create")
-    assert [a[5] for a in creates] == [s["job_id"] for s in state["segments"]]
+    assert [a[5] for a in creates] == ["hpcrl-dl-1"]
+    assert [s["job_id"] for s in state["segments"]] == ["hpcrl-dl-1", *(f"hpcrl-dl-1.{m}" for m in range(2, len(ran) + 1))]
     assert all("--spot" in a and f"--metadata-from-file=startup-script={rdir}/.tpu/{a[5]}.startup.sh" in a
                for a in creates)
-    for qr in cloud.qrs().values():
-        assert qr.get("deleted"), f"{qr['id']} was not deleted"
-    assert any(a[-3:] == ["--force", "--quiet", "--async"] for a in cloud.calls("delete"))
-    # the later VM (fresh disk) resumed from the checkpoint it fetched from the bucket
+    assert cloud.qrs()["hpcrl-dl-1"].get("deleted")
+    assert [a[-3:] for a in cloud.vm_calls("delete", vm=True)] == [["--force", "--quiet", "--async"]]
+    assert "the run goes on here: segment job hpcrl-dl-1.2" in (rdir / "logs" / "job-hpcrl-dl-1.log").read_text()
     second_log = (rdir / "logs" / f"job-{ran[1]['job_id']}.log").read_text()
     assert f"smoke: segment 2 starts at step {ran[0]['end_step']} of 30" in second_log
     assert "smoke: done at step 30" in hpcrl("logs", "dl").stdout
@@ -220,8 +230,8 @@ def test_logs_follow_reads_the_bucket_copy_with_hostile_vm_path_and_odd_run_name
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "smoke: segment 1 starts at step 0 of 60" in out and "smoke: segment 2 starts at step" in out
-    assert out.rstrip().endswith("hpcrl: segment over; deleting queued resource " + run_state("Odd_Run.v2")
-                                 ["segments"][-1]["job_id"])
+    assert out.rstrip().endswith("hpcrl: the run needs no more segments; deleting queued resource " +
+                                 run_state("Odd_Run.v2")["segments"][0]["job_id"])
     state = run_state("Odd_Run.v2")
     assert state["state"] == "COMPLETED"
     job = state["segments"][0]["job_id"]
@@ -278,3 +288,128 @@ def test_resume_with_new_hours_changes_the_next_segments_length(cloud):
     assert state["state"] == "COMPLETED" and len(ran) >= 2, "3 s of training cannot fit one 5 s segment"
     assert ran[0]["ended"] - ran[0]["started"] < 6, "the first resumed segment ran for the new hours"
     assert_resumed_exactly(state, 30, rdir)
+
+
+BUCKET_FIX = "roles/storage.objectAdmin on gs://fake-bucket"
+
+
+@pytest.mark.parametrize("denied", [["storage", "compute"], ["storage"]], ids=["cannot-delete-itself", "deletes-itself"])
+def test_vm_denied_the_bucket_bills_no_longer_than_its_segment(cloud, denied):
+    # The VM's service account (the default Compute Engine one, say) cannot read the bucket: the
+    # VM cannot fetch the run. With the TPU role it deletes itself at once; without it, the watcher
+    # deletes the queued resource once it has been ACTIVE for the segment (7 s) plus
+    # site.report_margin_s (2 s) without a heartbeat. Either way: one create, one delete, the run
+    # FAILED with the fix (a VM that never reported is not re-created: the next would fail the same).
+    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"]}], vm_denied=denied)
+    submit("deny", "--hours", "0.002")
+    rc, out = watch_until_done("deny", timeout=60)
+    assert rc == 1, out
+    state = run_state("deny")
+    assert state["state"] == "FAILED", state["reason"]
+    assert "never reported" in state["reason"] and BUCKET_FIX in state["reason"], state["reason"]
+    assert cloud.qrs()["hpcrl-deny-1"].get("deleted"), "the queued resource was left to bill"
+    by_vm = cloud.vm_calls("queued-resources", "delete", vm=True)
+    assert bool(by_vm) and (len(cloud.vm_calls("queued-resources", "delete", vm=False)) >= 1) == (denied != ["storage"])
+    assert len(cloud.calls("queued-resources", "create")) == 1, "a VM that cannot reach the bucket is not re-created"
+    assert state["segments"][0]["state"] in ("LOST", "CANCELLED")
+
+
+def maxtext_spec(tmp_path: Path) -> Path:
+    spec = tmp_path / "mx.yaml"
+    hpcrl("init", "--recipe", "maxtext-llama3.1-8b-grpo", "--out", spec)
+    return spec
+
+
+def test_recipe_paths_take_the_sites_bucket(cloud, tmp_path):
+    text = hpcrl("render", maxtext_spec(tmp_path), "--site", "tputest", "--set", "site.bucket=gs://my-bucket",
+                 "--name", "mx").stdout
+    job = text.split("# " + "=" * 76)[0]
+    assert "YOUR_BUCKET" not in job
+    assert " base_output_directory=gs://my-bucket/hpcrl " in job
+    assert " load_parameters_path=gs://my-bucket/llama3.1-8b-maxtext/0/items " in job
+    assert " --ckpt-root gs://my-bucket/hpcrl/mx/checkpoints/actor " in job
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("args.load_parameters_path=gs://<your-bucket>/ckpt/0/items", "args.load_parameters_path: gs://<your-bucket>/ckpt/0/items is a placeholder"),
+    ("args.base_output_directory=gs://My_Bucket/out", "args.base_output_directory: gs://My_Bucket/out is not a valid gs:// path"),
+    ("env.EXTRA_DATA=gs://YOUR_DATA/x", "the rendered job uses gs://YOUR_DATA/x, which is a placeholder"),
+])
+def test_submit_refuses_placeholder_and_invalid_gs_paths(cloud, tmp_path, setting, words):
+    cloud.scenario([{"states": ["ACTIVE"]}])
+    r = hpcrl("submit", maxtext_spec(tmp_path), "--site", "tputest", "--set", setting, "--name", "bad",
+              check=False, env={"HF_TOKEN": "hf_x"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert words in r.stderr, r.stderr
+    assert not cloud.calls("create") and "bad" not in hpcrl("status").stdout
+
+
+def test_gated_model_without_hf_token_is_refused_at_submit(cloud, tmp_path):
+    cloud.scenario([{"states": ["ACTIVE"]}])
+    r = hpcrl("submit", maxtext_spec(tmp_path), "--site", "tputest", "--name", "gated", check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "llama3.1-8b-Instruct is gated" in r.stderr and "export HF_TOKEN=" in r.stderr
+    assert not cloud.calls("create") and not cloud.calls("storage")
+
+
+def test_bucket_the_submitting_account_cannot_list_is_refused(cloud, tmp_path):
+    cloud.scenario([{"states": ["ACTIVE"]}], denied=["storage"])
+    r = hpcrl("submit", "--site", "tputest", "--trainer", "smoke", "--name", "nob", check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "cannot list gs://fake-bucket with your gcloud account" in r.stderr and "PERMISSION_DENIED" in r.stderr
+    assert not cloud.calls("create") and "nob" not in hpcrl("status").stdout
+
+
+@pytest.mark.parametrize("preempt_after_s, creates", [(None, 1), (7.0, 2)], ids=["no-preemption", "one-preemption"])
+def test_recipe_budget_makes_one_create_per_vm_not_per_segment(cloud, preempt_after_s, creates):
+    # maxtext-llama3.1-8b-grpo's budget (4-hour segments, 12 hours, at most 4 segments) scaled by
+    # 0.0015/4 to 5-second segments; the smoke trainer stands in for MaxText, which cannot run
+    # here. A TPU VM has no walltime: the segments' deadlines stop the trainer (checkpoint, exit 85)
+    # and the next segment starts on the same VM. A VM is created again only after a preemption.
+    budget = yaml.safe_load((RECIPES / "maxtext-llama3.1-8b-grpo.yaml").read_text())["budget"]
+    assert (budget["hours"], budget["total_hours"], budget["max_segments"]) == (4, 12, 4)
+    scale = 0.0015 / budget["hours"]
+    first = {"states": ["ACCEPTED", "ACTIVE"], **({"preempt_after_s": preempt_after_s} if preempt_after_s else {})}
+    cloud.scenario([first, {"states": ["ACCEPTED", "ACTIVE"]}])
+    submit("twelve", "--hours", f"{budget['hours'] * scale:g}", "--total-hours", f"{budget['total_hours'] * scale:g}",
+           "--max-segments", str(budget["max_segments"]), "--set", "args.steps=100000",
+           "--set", "args.step_time_s=0.1", "--set", "args.save_every=5")
+    rc, out = watch_until_done("twelve", timeout=150)
+    state = run_state("twelve")
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] in ("budget", "max_segments"), out
+    ran = started(state)
+    assert len(ran) >= 3, [s["job_id"] for s in state["segments"]]
+    assert len(cloud.calls("queued-resources", "create")) == creates, [s["job_id"] for s in state["segments"]]
+    vms = sorted({s["job_id"].split(".")[0] for s in ran})
+    assert vms == [f"hpcrl-twelve-{n}" for n in range(1, creates + 1)]
+    for prev, nxt in zip(ran, ran[1:]):
+        assert nxt["start_step"] == prev["end_step"] > 0, f"segment {nxt['k']} resumed where {prev['k']} stopped"
+    for qr in cloud.qrs().values():
+        assert qr.get("deleted"), f"{qr['id']} was left to bill"
+
+
+def test_second_vm_restores_the_venv_from_the_bucket_not_rebuilt(cloud):
+    # The first VM builds the venv (real python -m venv + pip) and packs it, with the Python under
+    # venv_root, into the run's bucket; it is preempted once that pack is complete; the VM that
+    # replaces it (a fresh disk: the double wipes it) restores the pack and trains at once.
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "tpuvenv.yaml").write_text(f"extends: tputest\nvenv_root: {json.dumps(str(cloud.vm / 'venvs'))}\n"
+                                        f"python: {json.dumps(sys.executable)}\n")
+    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"], "preempt_when_object": "fake-bucket/hpcrl-runs/venv/venv.ok"},
+                    {"states": ["ACCEPTED", "ACTIVE"]}])
+    hpcrl("submit", "--site", "tpuvenv", "--trainer", "smoke", "--name", "venv", "--hours", "0.05",
+          "--set", "requirements=[six]", "--set", "args.steps=300", "--set", "args.step_time_s=0.1",
+          "--set", "args.save_every=5")
+    rc, out = watch_until_done("venv", timeout=300)
+    assert rc == 0, out
+    state, rdir = run_state("venv"), run_dir("venv")
+    assert state["state"] == "COMPLETED" and len(cloud.calls("queued-resources", "create")) == 2
+    first = (rdir / "logs" / "job-hpcrl-venv-1.log").read_text()
+    second = (rdir / "logs" / "job-hpcrl-venv-2.log").read_text()
+    assert "hpcrl: building venv" in first and "hpcrl: venvs packed into gs://fake-bucket/hpcrl-runs/venv/venv.tar" in first
+    assert "hpcrl: venvs restored from gs://fake-bucket/hpcrl-runs/venv/venv.tar" in second
+    assert "building venv" not in second, "the second VM rebuilt the venv"
+    built = int(re.search(r"venv built in (\d+) s", first).group(1))
+    restored = int(re.search(r"venvs restored from \S+ in (\d+) s", second).group(1))
+    print(f"venv start-up on the double: built in {built} s, restored in {restored} s")
+    assert_resumed_exactly(state, 300, rdir)

@@ -23,7 +23,7 @@ BASE_ARGS = {
     "builtin": {},
     "smoke": {},
     "verl": {"model": "/m", "train_files": "/d/train.parquet", "val_files": "/d/test.parquet"},
-    "maxtext": {"load_parameters_path": "gs://b/ckpt/0/items"},
+    "maxtext": {"load_parameters_path": "gs://bkt/ckpt/0/items"},
 }
 
 

@@ -87,6 +87,13 @@ class Backend:
     def __init__(self, site: dict):
         self.site = site
 
+    def next_job_here(self, state: dict, job_id: str) -> str:
+        """Inside job `job_id` of a machine that runs the run's next segment itself (a TPU VM,
+        `_segment next`): the next segment's job id. Schedulers with a walltime cannot."""
+        from ..errors import BackendError
+
+        raise BackendError(f"the {self.name} backend cannot run a next segment inside job {job_id}")
+
     # -- site and script
 
     def complete_site(self, site: dict) -> dict:

@@ -1,15 +1,18 @@
 """The tpu backend: single-host Cloud TPU VMs obtained through gcloud queued resources.
 
-One segment = one queued resource (QR) whose VM runs a rendered startup script
-(templates/tpu-startup.sh.j2): fetch the run's files from the bucket, run the same job.sh every
-backend runs under a deadline, copy logs/state/metrics/checkpoints back, delete its own QR.
-A TPU VM cannot queue its successor, so `reconciles_outside_job` is True and tpu_watch.py starts
-each next segment and re-creates preempted VMs.
+One queued resource (QR) per run, re-created only after a preemption or a loss: its VM runs a
+rendered startup script (templates/tpu-startup.sh.j2) that fetches the run's files from the
+bucket and runs the run's segments one after the other (the same job.sh every backend runs, each
+under its deadline; segment m of QR is job QR.m, queued on the VM by `_segment next`), copies
+logs/state/metrics/checkpoints back, sends a heartbeat, and deletes its own QR when the run needs
+no more. A TPU VM cannot re-create itself, so `reconciles_outside_job` is True and tpu_watch.py
+re-creates preempted VMs, deletes silent ones and starts a VM when the run has none.
 
 Bucket layout (run_uri = BUCKET/hpcrl-runs/RUN/run):
     run_uri/...                     the run dir: spec, job.sh, lib/, checkpoints/, logs/, metrics
     run_uri/state.json              published by the launcher before a segment starts
-    run_uri/jobs/QR/state.json      the VM's view while it runs; final.json once it is done
+    run_uri/jobs/QR/state.json      the VM's view while it runs; final.json once it is done; heartbeat
+    BUCKET/hpcrl-runs/RUN/venv.tar.zst (.ok)   venv_root packed by the run's first VM
     BUCKET/hpcrl-runs/RUN/secrets.env   WANDB_API_KEY / HF_TOKEN, shell-quoted (never in the run dir)
 
 Pure functions (`*_argv`, `parse_*`, `explain`, `qr_name`, `render_startup`) are separate from
@@ -24,30 +27,22 @@ import re
 import shlex
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomicio import atomic_write_json, atomic_write_text
-from ..errors import BackendError, SiteError, one_of
+from ..errors import BackendError, SiteError, SpecError, one_of
+from ..names import gs_url_problem
 from ..runs import RunLayout
 from ..shell import q
 from ..proc import run_command, stderr_tail
 from .base import Backend, Check, JobInfo, JobState
+from .tpu_gcloud import STATES, QrStatus, explain, parse_describe, parse_list  # noqa: F401 (the backend's API)
 
 PROVISIONING = {  # mode -> (gcloud release track, extra create flags)
     "spot": ([], ["--spot"]),
     "reserved": ([], ["--reserved"]),
     "on-demand": ([], []),
     "best-effort": (["alpha"], ["--best-effort"]),
-}
-
-# The one mapping from queued-resource states (state.state) to hpcrl's JobState.
-STATES = {
-    "CREATING": JobState.PENDING, "ACCEPTED": JobState.PENDING, "WAITING_FOR_RESOURCES": JobState.PENDING,
-    "PROVISIONING": JobState.PENDING, "ACTIVE": JobState.RUNNING,
-    "SUSPENDING": JobState.PREEMPTED, "SUSPENDED": JobState.PREEMPTED,  # spot preemption or run duration over
-    "FAILED": JobState.FAILED,
-    "DELETING": JobState.CANCELLED,  # its VM is going away (hpcrl deletes a QR whose segment ended)
 }
 
 WATCH_STALE_S = 600  # a watcher polls every 60 s by default: ten minutes of silence means none runs
@@ -74,7 +69,7 @@ def check_site(site: dict) -> None:
     """Every value the tpu backend needs, with a one-line fix for the first that is wrong."""
     name = site.get("name")
     fixes = {"project": "P (or `gcloud config set project P`)", "zone": "Z (or `gcloud config set compute/zone Z`)",
-             "bucket": "gs://YOUR_BUCKET (create it: gcloud storage buckets create gs://NAME --location=REGION)",
+             "bucket": "gs://NAME (create it: gcloud storage buckets create gs://NAME --location=REGION)",
              "accelerator_type": "v5p-8", "runtime_version": "v2-alpha-tpuv5"}
     for key, pattern in (("project", _PROJECT_RE), ("zone", _ZONE_RE), ("accelerator_type", _ACCEL_RE),
                          ("runtime_version", _RUNTIME_RE), ("bucket", _BUCKET_RE)):
@@ -83,6 +78,9 @@ def check_site(site: dict) -> None:
             raise SiteError(f"site '{name}': {key} is not set; pass --set site.{key}={fixes[key]}")
         if not isinstance(value, str) or not pattern.match(value):
             raise SiteError(f"site '{name}': {key} {value!r} is not valid; e.g. --set site.{key}={fixes[key]}")
+    problem = gs_url_problem(site["bucket"])
+    if problem:
+        raise SiteError(f"site '{name}': bucket {site['bucket']} {problem}; e.g. --set site.bucket={fixes['bucket']}")
     if site.get("provisioning") not in PROVISIONING:
         raise SiteError(f"site '{name}': provisioning {site.get('provisioning')!r} must be one of {one_of(PROVISIONING)}")
     retries = site.get("max_retries")
@@ -134,6 +132,11 @@ def secrets_uri(site: dict, run_id: str) -> str:
     return f"{site['bucket'].rstrip('/')}/hpcrl-runs/{run_id}/secrets.env"
 
 
+def venv_uri(site: dict, run_id: str) -> str:
+    """Where the run's first VM packs its venvs (+ .tar.zst or .tar.gz, and .ok once complete)."""
+    return f"{site['bucket'].rstrip('/')}/hpcrl-runs/{run_id}/venv"
+
+
 def _uri(path: Path) -> str:
     # a RunLayout rooted at gs://b/x gives Path("gs:/b/x/..."): put the double slash back
     return str(path).replace("gs:/", "gs://", 1)
@@ -172,84 +175,27 @@ def list_argv(site: dict) -> list[str]:
     return [*_gcloud(site, "list"), *_where(site), "--format=json"]
 
 
-# ---------------------------------------------------------------- parsing (pure)
-
-
-@dataclass
-class QrStatus:
-    qr_id: str
-    state: str             # the raw state.state
-    job_state: JobState
-    initiator: str = ""    # state.stateInitiator: USER or SERVICE
-    error: str = ""        # state.failedData.error.message
-
-
-def _status_of(obj: dict) -> QrStatus:
-    if not isinstance(obj, dict):
-        raise BackendError(f"gcloud queued-resources: expected a JSON object, got {type(obj).__name__}")
-    st = obj.get("state") if isinstance(obj.get("state"), dict) else {}
-    raw = str(st.get("state") or "STATE_UNSPECIFIED")
-    failed = st.get("failedData") if isinstance(st.get("failedData"), dict) else {}
-    err = failed.get("error")
-    message = err.get("message", "") if isinstance(err, dict) else str(err or "")
-    return QrStatus(qr_id=str(obj.get("name", "")).rsplit("/", 1)[-1], state=raw,
-                    job_state=STATES.get(raw, JobState.UNKNOWN), initiator=str(st.get("stateInitiator") or ""),
-                    error=message)
-
-
-def _json(text: str, what: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise BackendError(f"gcloud {what}: output is not JSON: {text.strip()[:120]!r}") from None
-
-
-def parse_describe(text: str) -> QrStatus:
-    """`describe --format=json`: one queued resource (unknown extra fields are ignored)."""
-    return _status_of(_json(text, "describe"))
-
-
-def parse_list(text: str) -> list[QrStatus]:
-    data = _json(text, "list")
-    if not isinstance(data, list):
-        raise BackendError(f"gcloud list: expected a JSON list, got {type(data).__name__}")
-    return [_status_of(obj) for obj in data]
-
-
-# gcloud's messages (stderr, or failedData.error) -> what the user must do. First match wins.
-_EXPLAIN = [
-    (r"You do not currently have an active account|does not have any valid credentials|Reauthentication failed|"
-     r"problem refreshing your current auth tokens|gcloud auth login",
-     "gcloud is not authenticated: run `gcloud auth login` (on a VM or in CI: `gcloud auth activate-service-account`)"),
-    (r"required property \[project\] is not currently set|Failed to find attribute \[project\]",
-     "no Google Cloud project: pass --set site.project=P or run `gcloud config set project P`"),
-    (r"quota|RESOURCE_EXHAUSTED",
-     "quota exceeded for {accelerator_type} ({provisioning}) in {zone}: request TPU quota (console: IAM & Admin > "
-     "Quotas), or try --set site.provisioning=spot or another zone with --set site.zone=Z"),
-    (r"accelerator.?type.*(not (available|supported|found|valid)|invalid|unknown)|"
-     r"(invalid|unknown|unsupported).*accelerator.?type|not available in zone",
-     "zone {zone} does not offer {accelerator_type}: list the zones that do with `gcloud compute tpus "
-     "accelerator-types list --zone=Z`, then pass --set site.zone=Z"),
-    (r"API has not been used|SERVICE_DISABLED|tpu\.googleapis\.com.*(disabled|not enabled)",
-     "the Cloud TPU API is off in {project}: run `gcloud services enable tpu.googleapis.com --project={project}`"),
-    (r"PERMISSION_DENIED|permission denied|does not have permission",
-     "your account may not create TPUs in {project}: ask for roles/tpu.admin (and storage access to the bucket)"),
-]
-
-
-def explain(message: str, site: dict) -> str | None:
-    """The one-line fix for a gcloud error text, or None when it is not one we know."""
-    for pattern, fix in _EXPLAIN:
-        if re.search(pattern, message or "", re.I | re.S):
-            return fix.format(**{k: site.get(k) or "?" for k in ("project", "zone", "accelerator_type", "provisioning")})
-    return None
-
-
 # ---------------------------------------------------------------- the VM startup script (pure)
+
+
+def check_gs_paths(text: str) -> None:
+    """Every gs:// path in a rendered script names a real-looking bucket (no recipe placeholder):
+    a run that would fail on the VM, after a VM was provisioned, is refused here."""
+    for url in sorted(set(re.findall(r"gs://[^\s'\"]*", text))):
+        problem = gs_url_problem(url)
+        if problem:
+            raise SpecError(f"the rendered job uses {url}, which {problem}: set the spec's path to your bucket's "
+                            f"(or site.bucket: --set site.bucket=gs://NAME)")
 
 
 def segment_seconds(hours: float) -> int:
     return max(1, round(float(hours) * 3600))
+
+
+def stall_seconds(site: dict, hours: float) -> int:
+    """How long a VM may go without a heartbeat in the bucket before it is deleted (by itself, or
+    by the watcher): its segment, the kill grace and site.report_margin_s (a slow upload)."""
+    return segment_seconds(hours) + int(site["kill_grace_s"]) + int(site.get("report_margin_s") or 0)
 
 
 def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
@@ -269,7 +215,9 @@ def render_startup(resolved: dict, run_id: str, qr_id: str) -> str:
         hpcrl_python=site.get("hpcrl_python") or "python3",
         segment_s=segment_seconds(resolved["spec"]["budget"]["hours"]),
         signal_lead_s=int(site["signal_lead_s"]), kill_grace_s=int(site["kill_grace_s"]),
+        stall_s=stall_seconds(site, resolved["spec"]["budget"]["hours"]),
         delete_command=" ".join(q(a) for a in delete_argv(site, qr_id)),
+        venv_root=site.get("venv_root") or "", venv_uri=venv_uri(site, run_id),
     )
 
 
@@ -298,14 +246,23 @@ class TpuBackend(Backend):
     job_id_missing = "the TPU startup script sets HPCRL_JOB_ID"
     jobs_share_this_environment = False  # the VM has its own Python, venvs and disk
     site_keys = {"project": None, "zone": None, "accelerator_type": None, "runtime_version": None,
-                 "provisioning": None, "bucket": None, "max_retries": None, "vm_root": DEFAULT_VM_ROOT}
+                 "provisioning": None, "bucket": None, "max_retries": None, "vm_root": DEFAULT_VM_ROOT,
+                 "report_margin_s": 900}
 
     def job_layout(self, run_id: str, layout):
         return RunLayout(vm_run_dir(self.site, run_id))
 
+    def next_job_here(self, state: dict, job_id: str) -> str:
+        """The VM runs the run's next segment itself (one VM per run, re-created only after a
+        preemption or a failure): segment m of queued resource Q is job Q.m."""
+        from .tpu_watch import vm_jobs
+
+        qr = job_id.split(".", 1)[0]
+        return f"{qr}.{len(vm_jobs(qr, [s.get('job_id') for s in state['segments']])) + 1}"
+
     def submit_hint(self, run_id: str) -> list[str]:
-        return [f"  keep `hpcrl watch {run_id}` running (e.g. under nohup): it starts each next segment and "
-                "re-creates preempted VMs"]
+        return [f"  keep `hpcrl watch {run_id}` running (e.g. under nohup): it re-creates preempted VMs "
+                "and deletes silent ones"]
 
     def reconcile(self, run, ops, interval_s: float) -> dict:
         from . import tpu_watch
@@ -400,6 +357,9 @@ class TpuBackend(Backend):
         tdir.mkdir(exist_ok=True)
         n = 1 + len(list(tdir.glob("*.json")))  # called inside the run's lock: no race
         qr_id = qr_name(run_dir.name, n)
+        if n == 1:  # the first create: refuse what could only fail on the VM
+            check_gs_paths(run.layout.script.read_text(encoding="utf-8"))
+            self.check_bucket()
         startup = tdir / f"{qr_id}.startup.sh"
         atomic_write_text(startup, render_startup(resolved, run_dir.name, qr_id), mode=0o644)
         self.stage(run_dir)
@@ -408,8 +368,17 @@ class TpuBackend(Backend):
         argv = create_argv(self.site, qr_id, startup)
         self.gcloud(argv)
         atomic_write_json(tdir / f"{qr_id}.json", {"qr_id": qr_id, "n": n, "created": time.time(), "argv": argv,
-                                                   "closed": None, "outcome": None})
+                                                   "closed": None, "outcome": None,
+                                                   "stall_s": stall_seconds(self.site, resolved["spec"]["budget"]["hours"])})
         return qr_id
+
+    def check_bucket(self) -> None:
+        """The submitting account can list the bucket (the run's files are uploaded there next)."""
+        res = self.gcloud(["gcloud", "storage", "ls", self.site["bucket"]], check=False, timeout_s=60)
+        if res.returncode != 0:
+            raise BackendError(f"cannot list {self.site['bucket']} with your gcloud account ({stderr_tail(res)}): "
+                               f"create it (gcloud storage buckets create {self.site['bucket']} --location=REGION) "
+                               f"or get roles/storage.objectAdmin on it")
 
     def stage(self, run_dir: Path) -> None:
         """Upload the run's launcher-owned files (spec, job.sh, hpcrl snapshot, trainer files)."""
@@ -478,6 +447,17 @@ class TpuBackend(Backend):
                 except ValueError:
                     continue  # a torn upload: the next poll reads it whole
         return None, False
+
+    def fetch_heartbeat(self, run_id: str, qr_id: str) -> str | None:
+        """The VM's last heartbeat (its clock, as text: only its changes count), None before the first."""
+        res = self.gcloud(["gcloud", "storage", "cat", f"{run_uri(self.site, run_id)}/jobs/{qr_id}/heartbeat"], check=False)
+        return res.stdout.strip() or None if res.returncode == 0 else None
+
+    def silent_vm_fix(self) -> str:
+        return (f"give the VM's service account (the project's default Compute Engine account unless the image "
+                f"says otherwise) roles/storage.objectAdmin on {self.site['bucket']} and roles/tpu.admin (to delete "
+                f"itself): gcloud storage buckets add-iam-policy-binding {self.site['bucket']} "
+                f"--member=serviceAccount:SA --role=roles/storage.objectAdmin")
 
     def pull_outputs(self, run_dir: Path) -> None:
         """Logs, metrics and the checkpoint pointer into the local run dir (for status and logs)."""

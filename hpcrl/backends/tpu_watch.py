@@ -3,10 +3,13 @@
 One `tick` looks at the run's open queued resource (QR) and acts:
 
     ACCEPTED/WAITING_FOR_RESOURCES/PROVISIONING   wait (the reason shows the QR's state)
-    ACTIVE                                         copy the VM's state, logs and metrics here
-    the VM finished the segment (jobs/QR/final.json in the bucket)
-                                                   delete the QR; the run goes on (next segment),
-                                                   or is COMPLETED / FAILED / STOPPED as the VM decided
+    ACTIVE                                         copy the VM's state (the segments it ran and
+                                                   queued itself), logs and metrics here; delete a
+                                                   VM whose heartbeat stopped for its stall bound
+    the VM finished (jobs/QR/final.json in the bucket)
+                                                   delete the QR; the run is COMPLETED / FAILED /
+                                                   STOPPED as the VM decided (or goes on: a new VM)
+    gone without ever a heartbeat                  the run FAILS: the VM cannot write the bucket
     SUSPENDING                                     wait: the VM is saving and copying
     SUSPENDED (preempted) or gone without finishing
                                                    close the segment, delete the QR, re-create it after
@@ -39,12 +42,17 @@ from ..lifecycle import ACTIVE, RunState, SegState, Stop
 from .base import JobState
 
 BACKOFF_CAP_S = 1800.0  # the longest wait before re-creating a preempted VM
-RETRY_OUTCOMES = ("preempted", "lost")
+RETRY_OUTCOMES = ("preempted", "lost", "hung")
 SEG_FIELDS_FROM_VM = ("state", "started", "ended", "rc", "start_step", "end_step", "k", "reason")
 LAST_TICK = "last-tick"  # in the run's .tpu dir: when a watcher last looked (status shows its age)
 
 
 # ---------------------------------------------------------------- per-QR records
+
+
+def vm_jobs(qr_id: str, job_ids) -> list[str]:
+    """The segment job ids that ran on queued resource qr_id's VM: qr_id itself, then qr_id.2, ..."""
+    return [j for j in job_ids if j == qr_id or (j or "").startswith(qr_id + ".")]
 
 
 def _dir(run):
@@ -68,7 +76,7 @@ def open_record(run) -> dict | None:
 
 def _close_record(run, rec: dict, outcome: str) -> None:
     rec.update(closed=time.time(), outcome=outcome)
-    atomic_write_json(_dir(run) / f"{rec['qr_id']}.json", rec)
+    _save(run, rec)
 
 
 @contextlib.contextmanager
@@ -115,32 +123,73 @@ def _observe(run, backend, ops, rec: dict) -> None:
     raw = st.state if st else "GONE"
     done = _pull(run, backend, ops, qr) if st is None or st.job_state != JobState.PENDING else False
     active = lifecycle.is_active(run.state())
-    if not done and st is not None and raw not in ("SUSPENDED", "FAILED", "DELETING"):
-        if raw != "SUSPENDING" and not active and not rec.get("delete_sent"):
+    # A run the VM itself ended (COMPLETED, FAILED, STOPPED, adopted from its state) is left to
+    # the VM to finish copying and delete itself; only a cancelled run's VM is deleted here.
+    cancelled = run.state()["state"] == RunState.CANCELLED.value
+    silent = _heard(run, backend, rec, raw) if not cancelled and not done else False
+    if not done and not silent and st is not None and raw not in ("SUSPENDED", "FAILED", "DELETING"):
+        if raw != "SUSPENDING" and cancelled and not rec.get("delete_sent"):
             backend.delete(qr)  # a cancelled run's QR (cancel deletes it too; this is idempotent)
             rec["delete_sent"] = True
-            atomic_write_json(_dir(run) / f"{qr}.json", rec)
+            _save(run, rec)
         elif active and st.job_state == JobState.PENDING:
             _set_reason(run, f"queued resource {qr}: {raw}", only_in=(RunState.PENDING, RunState.RESUBMITTED))
         return  # still queued, running or saving (SUSPENDING)
     if st is not None and raw != "DELETING":
         backend.delete(qr)
-    if done:  # a VM whose job ended while its queued resource was being suspended was preempted too
-        outcome = "preempted" if raw in ("SUSPENDING", "SUSPENDED") else "done"
-    elif raw == "FAILED":
-        outcome = "failed"
+    outcome = _outcome(raw, done, active, rec, silent, cancelled)
+    if outcome == "failed":
         _fail(run, ops, qr, st.error, backend)
-    elif not active:
-        outcome = "cancelled"
-    else:
-        outcome = "preempted" if raw == "SUSPENDED" else "lost"
+    elif outcome == "silent":
+        ops.fail(run, Stop.BACKEND_FAILED, f"the VM of queued resource {qr} never reported to "
+                                           f"{backend.site['bucket']} (deleted); {backend.silent_vm_fix()}; "
+                                           f"then `hpcrl resume {run.id}`")
     why = {"preempted": "was preempted (queued resource SUSPENDED)", "lost": f"ended without its end hook ({raw})",
            "failed": "ended: its queued resource FAILED", "cancelled": "ended: the run was cancelled",
-           "done": "ended (its VM was gone before it finished)"}[outcome]
-    ops.close_segment(run, qr, why)  # a no-op when the VM closed the segment itself
+           "done": "ended (its VM was gone before it finished)", "silent": "ended: its VM never reported",
+           "hung": f"ended: no heartbeat from its VM for {rec.get('stall_s')} s (deleted)"}[outcome]
+    for job in vm_jobs(qr, [s.get("job_id") for s in run.state()["segments"]]):
+        ops.close_segment(run, job, why)  # a no-op for those the VM closed itself
     _close_record(run, rec, outcome)
     with run.locked() as state:
         lifecycle.add_event(state, f"queued resource {qr} closed: {outcome} ({raw})", time.time())
+
+
+def _outcome(raw: str, done: bool, active: bool, rec: dict, silent: bool, cancelled: bool) -> str:
+    if done:  # a VM whose job ended while its queued resource was being suspended was preempted too
+        return "preempted" if raw in ("SUSPENDING", "SUSPENDED") else "done"
+    if raw == "FAILED":
+        return "failed"
+    if not active:
+        return "cancelled" if cancelled else "done"
+    if raw in ("SUSPENDING", "SUSPENDED"):
+        return "preempted"
+    if rec.get("beat") is None:
+        # gone (or silent too long) without ever a heartbeat: a VM that cannot write the bucket
+        # deleted itself, or the watcher deleted it; another VM would do the same
+        return "silent"
+    return "hung" if silent else "lost"
+
+
+def _heard(run, backend, rec: dict, raw: str) -> bool:
+    """Note the VM's heartbeat; True when an ACTIVE VM has been silent for longer than its segment
+    plus margins (rec["stall_s"]), so that the caller deletes it: an idle TPU VM bills."""
+    now, changed = time.time(), False
+    if raw == "ACTIVE" and not rec.get("active_seen"):
+        rec["active_seen"], changed = now, True
+    if raw == "ACTIVE" or (rec.get("beat") is None and raw in ("GONE", "DELETING")):
+        beat = backend.fetch_heartbeat(run.id, rec["qr_id"])
+        if beat is not None and beat != rec.get("beat"):
+            rec.update(beat=beat, beat_seen=now)
+            changed = True
+    if changed:
+        _save(run, rec)
+    since = rec.get("beat_seen") or rec.get("active_seen")
+    return raw == "ACTIVE" and since is not None and now - since > float(rec.get("stall_s") or float("inf"))
+
+
+def _save(run, rec: dict) -> None:
+    atomic_write_json(_dir(run) / f"{rec['qr_id']}.json", rec)
 
 
 def _pull(run, backend, ops, qr: str) -> bool:
@@ -149,20 +198,31 @@ def _pull(run, backend, ops, qr: str) -> bool:
     backend.pull_outputs(run.dir)
     ops.refresh_checkpoint_cache(run)  # remote checkpoints (MaxText on gs://) listed here, not by status
     if vm:
-        _merge(run, qr, vm)
+        _merge(run, qr, vm, done)
     return done
 
 
-def _merge(run, qr: str, vm: dict) -> None:
-    """Adopt what the VM recorded for its segment (and the run's state while it is active here:
-    a local cancel wins over whatever the VM still believed)."""
-    vseg = lifecycle.segment_by_job(vm, qr)
+def _merge(run, qr: str, vm: dict, final: bool) -> None:
+    """Adopt what the VM recorded for the segments it ran (it queues each next one itself, so
+    some are new here), and the run's state while it is active here: a local cancel wins over
+    whatever the VM still believed. The run's end is adopted only from the VM's final copy
+    (final.json, uploaded after its logs): a state copied earlier would end `logs -f` before
+    the VM's last lines are in the bucket."""
     with run.locked() as state:
-        seg = lifecycle.segment_by_job(state, qr)
-        if vseg is None or seg is None or seg["state"] in (SegState.CANCELLED, SegState.LOST):
-            return
-        seg.update({k: vseg[k] for k in SEG_FIELDS_FROM_VM if k in vseg})
-        if lifecycle.is_active(state) and vm.get("state"):
+        for vseg in vm.get("segments", []):
+            if not vm_jobs(qr, [vseg.get("job_id")]):
+                continue
+            seg = lifecycle.segment_by_job(state, vseg["job_id"])
+            if seg is None:
+                if not lifecycle.is_active(state):
+                    continue
+                seg = {k: vseg[k] for k in ("job_id", "submitted", "after", "asked") if k in vseg}
+                state["segments"].append(seg)
+            elif seg["state"] in (SegState.CANCELLED, SegState.LOST):
+                continue
+            seg.update({k: vseg[k] for k in SEG_FIELDS_FROM_VM if k in vseg})
+        ends = vm.get("state") and not lifecycle.is_active(vm)
+        if lifecycle.is_active(state) and vm.get("state") and (final or not ends):
             state["state"], state["reason"] = vm["state"], vm.get("reason", "")
             state["stop"] = vm.get("stop")
             state["no_progress"] = vm.get("no_progress", state["no_progress"])

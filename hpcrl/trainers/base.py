@@ -112,6 +112,12 @@ class Trainer:
         """Extra environment for the trainer (no secrets: those come from the user's env)."""
         return {}
 
+    def venv_installer(self, ctx: TrainerContext) -> str | None:
+        """A script (one of `files`, as the job sees it) that builds the venv where the job builds
+        it (a TPU VM), called with the venv's path and the requirements file, when the trainer's
+        packages document an install that `python -m venv` + `pip install -r` cannot do (None)."""
+        return None
+
     def bootstrap(self, ctx: TrainerContext) -> str:
         """Trusted bash run before the trainer starts (e.g. a Ray cluster); '' for none.
 

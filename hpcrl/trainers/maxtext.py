@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 from ..errors import SpecError, did_you_mean
+from ..names import gs_url_problem
 from ..schemas import Bool, Choice, Float, Int, Schema, Str, StrList
 from .base import Trainer, TrainerContext, check_override_keys
 
@@ -43,6 +44,29 @@ LOSS_ALGO = {"grpo": "grpo", "gspo": "gspo-token"}
 # Keys hpcrl renders itself: a user override would break resume or placement.
 OWNED_KEYS = ("run_name", "base_output_directory", "chips_per_vm", "load_parameters_path",
               "enable_checkpointing", "checkpoint_period", "loss_algo", "hf_access_token")
+# The recipes' example bucket: replaced by the site's bucket (site.bucket) wherever a path starts with it
+PLACEHOLDER_BUCKET = "gs://YOUR_BUCKET"
+# Models whose Hugging Face repositories are gated (their tokenizer is fetched from the Hub when
+# tokenizer_path is null): a token of an account that accepted the licence is needed.
+GATED_MODELS = re.compile(r"^(llama|gemma)", re.I)
+GATED_TOKENIZERS = re.compile(r"^(meta-llama|google)/", re.I)
+TOKEN_NAMES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# MaxText's documented install for post-training on TPUs (docs/install_maxtext.md, "From PyPI",
+# option 3; the wheel's dependencies/scripts/setup.sh install_post_training_deps): Python 3.12,
+# `uv pip install maxtext[tpu-post-train] --resolution=lowest` with UV_TORCH_BACKEND=cpu (the
+# extra pins torch==2.11.0+cpu, which only PyTorch's CPU index serves; uv's torch backend sends
+# just the torch packages there), then the wheel's `install_tpu_post_train_extra_deps` (vLLM,
+# tpu-inference and Tunix at the GitHub commits of post_train_github_deps.txt, built for TPU).
+# The wheel's tpu_post_train_overrides.txt (jax 0.11.0, libtpu 0.0.44, flax 0.12.8, ...) is
+# applied as uv overrides, as MaxText's lock generation does (generate_requirements.sh).
+TPU_PYTHON = "3.12"
+# The platform to resolve the set for: libtpu 0.0.44 ships only manylinux_2_31 wheels (TPU VM
+# images are Ubuntu 22.04, glibc 2.35); manylinux_2_28 finds no libtpu and fails.
+TPU_PYTHON_PLATFORM = "x86_64-manylinux_2_31"
+TPU_INDEX_OPTIONS = ("--torch-backend=cpu", "--resolution=lowest")
+DEPS_DIR = Path(__file__).parent / "maxtext_deps"  # copied unchanged from the 0.2.5 wheel
+OVERRIDES_FILE, GITHUB_DEPS_FILE = "tpu_post_train_overrides.txt", "post_train_github_deps.txt"
+INSTALL_FILE = "maxtext/install-venv.sh"
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker (where it cannot rename: GCS)
 _KEY = re.compile(r"^([A-Za-z_]\w*)=(.*)$", re.S)
 
@@ -92,8 +116,21 @@ class MaxTextTrainer(Trainer):
         # tpu-post-train brings tunix and vLLM-TPU; MaxText needs Python >= 3.12 on the VM
         return [f"maxtext[tpu-post-train]=={MAXTEXT_VERSION}"]
 
+    def check_submit(self, args: dict, world: int) -> None:
+        import os
+
+        if needs_hf_token(args) and not any(os.environ.get(k) for k in TOKEN_NAMES):
+            raise SpecError(f"model {args['model_name']} is gated on Hugging Face (its tokenizer comes from the Hub) "
+                            "and HF_TOKEN is not set in this shell: `export HF_TOKEN=hf_...` (an account that "
+                            "accepted the model's licence), then submit again")
+
     def output_dir(self, ctx: TrainerContext) -> str:
-        return ctx.args["base_output_directory"] or str(Path(ctx.run_dir) / "maxtext")
+        """base_output_directory; null: <site.bucket>/hpcrl on a site with a bucket (TPU), else
+        <run dir>/maxtext."""
+        given = ctx.args["base_output_directory"]
+        if given is None and ctx.site.get("bucket"):
+            given = f"{ctx.site['bucket'].rstrip('/')}/hpcrl"
+        return site_path(given, ctx.site, "base_output_directory") if given else str(Path(ctx.run_dir) / "maxtext")
 
     def keys(self, ctx: TrainerContext) -> dict:
         """The key=value pairs of the command line, in order."""
@@ -109,11 +146,20 @@ class MaxTextTrainer(Trainer):
                "enable_checkpointing": "true", "checkpoint_period": checkpoint_period(a),
                "max_num_checkpoints_to_keep": a["max_num_checkpoints_to_keep"]}
         if a["load_parameters_path"] is not None:  # null: random initialisation (MaxText rejects an empty value)
-            out["load_parameters_path"] = a["load_parameters_path"]
-        for key in ("tokenizer_path", "num_batches", "batch_size", "num_generations", "learning_rate", "num_epoch"):
+            out["load_parameters_path"] = site_path(a["load_parameters_path"], ctx.site, "load_parameters_path")
+        if a["tokenizer_path"] is not None:
+            out["tokenizer_path"] = site_path(a["tokenizer_path"], ctx.site, "tokenizer_path")
+        for key in ("num_batches", "batch_size", "num_generations", "learning_rate", "num_epoch"):
             if a[key] is not None:
                 out[key] = a[key]
         return out
+
+    def files(self, ctx: TrainerContext) -> dict[str, str]:
+        return {INSTALL_FILE: venv_install_script(),
+                f"maxtext/{OVERRIDES_FILE}": (DEPS_DIR / OVERRIDES_FILE).read_text(encoding="utf-8")}
+
+    def venv_installer(self, ctx: TrainerContext) -> str | None:
+        return str(Path(ctx.run_dir) / INSTALL_FILE)
 
     def command(self, ctx: TrainerContext) -> list[str]:
         a = ctx.args
@@ -125,7 +171,9 @@ class MaxTextTrainer(Trainer):
                   "--eval", "every" if a["eval_every_segment"] else "first"]
         if a["step_time_s"]:
             launch += ["--step-time-s", f"{float(a['step_time_s']):g}"]
-        return [*launch, "--", *pairs, *a["overrides"]]
+        overrides = [f"{k}={site_path(v, ctx.site, f'overrides ({k})')}" for k, _, v in
+                     (ov.partition("=") for ov in a["overrides"])]
+        return [*launch, "--", *pairs, *overrides]
 
     def env(self, ctx: TrainerContext) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # HF_TOKEN comes from the user's env, never the spec
@@ -173,6 +221,80 @@ class MaxTextTrainer(Trainer):
         """MaxText's checkpoint_dir (types.py: base/run_name/checkpoints/); Tunix writes the steps
         under its actor/ sub-directory."""
         return f"{self.output_dir(ctx).rstrip('/')}/{ctx.args['run_name'] or ctx.run_id}/checkpoints"
+
+
+def tpu_requirements(resolved: dict) -> tuple[list[str], list[str]]:
+    """MaxText's TPU post-training requirement set (pure): the requirement lines of the run's venv
+    (the extra, then the spec's own) and the uv options MaxText installs them with (its torch
+    backend, lowest resolution, its overrides file). The GitHub-pinned vLLM / tpu-inference /
+    Tunix commits (`tpu_github_deps`) are installed after them, without dependencies, by the
+    wheel's own command: they are not part of this resolve."""
+    spec = resolved["spec"]
+    lines = [f"maxtext[tpu-post-train]=={MAXTEXT_VERSION}", *(spec.get("requirements") or [])]
+    return lines, [*TPU_INDEX_OPTIONS, f"--override={DEPS_DIR / OVERRIDES_FILE}"]
+
+
+def tpu_github_deps() -> list[str]:
+    """The wheel's post_train_github_deps.txt: what install_tpu_post_train_extra_deps installs."""
+    text = (DEPS_DIR / GITHUB_DEPS_FILE).read_text(encoding="utf-8")
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def venv_install_script() -> str:
+    """RUN/maxtext/install-venv.sh VENV REQUIREMENTS: the venv built as MaxText documents it (the
+    segment script runs it on the TPU VM instead of its generic venv + pip lines)."""
+    opts = " ".join(TPU_INDEX_OPTIONS)
+    return f"""#!/bin/bash
+# MaxText {MAXTEXT_VERSION}'s venv for post-training on a TPU VM, as MaxText documents it
+# (docs/install_maxtext.md "From PyPI", option 3; the wheel's setup.sh install_post_training_deps):
+#   uv venv --python {TPU_PYTHON} --seed VENV
+#   uv pip install {opts} --override {OVERRIDES_FILE} -r REQUIREMENTS
+#     (maxtext[tpu-post-train]=={MAXTEXT_VERSION}: torch==2.11.0+cpu from PyTorch's CPU index via uv's torch
+#     backend; the overrides file is the wheel's dependencies/extra_deps/{OVERRIDES_FILE})
+#   install_tpu_post_train_extra_deps
+#     (the wheel's command: vLLM, tpu-inference and Tunix at the commits of its
+#     {GITHUB_DEPS_FILE}, built for TPU with gcc >= 11, then MaxText's vLLM integration)
+# Written by hpcrl; usage: install-venv.sh VENV REQUIREMENTS
+set -euo pipefail
+venv=$1
+requirements=$2
+here=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
+python3 -m uv --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+  # vLLM for TPU is built from source (MaxText's setup.sh installs the same tools)
+  apt-get update -y && apt-get install -y --no-install-recommends gcc-12 g++-12 build-essential cmake ninja-build
+fi
+python3 -m uv venv --python {TPU_PYTHON} --seed "$venv"
+python3 -m uv pip install --python "$venv/bin/python" {opts} --override "$here/{OVERRIDES_FILE}" -r "$requirements"
+(
+  source "$venv/bin/activate"
+  python -m pip install --quiet uv  # the extra-deps command calls `uv` from PATH
+  install_tpu_post_train_extra_deps
+)
+"$venv/bin/python" -c 'import maxtext, jax, vllm, tpu_inference, tunix'
+"""
+
+
+def site_path(value: str, site: dict, key: str) -> str:
+    """A path of the spec as the job gets it: the recipes' placeholder bucket (gs://YOUR_BUCKET)
+    becomes the site's bucket; a gs:// path that is still a placeholder or invalid is refused."""
+    if not isinstance(value, str) or not value.startswith("gs://"):
+        return value
+    if (value == PLACEHOLDER_BUCKET or value.startswith(PLACEHOLDER_BUCKET + "/")) and site.get("bucket"):
+        value = site["bucket"].rstrip("/") + value[len(PLACEHOLDER_BUCKET):]
+    problem = gs_url_problem(value)
+    if problem:
+        raise SpecError(f"args.{key}: {value} {problem}; give your bucket's path (one that starts with "
+                        f"{PLACEHOLDER_BUCKET} takes site.bucket: --set site.bucket=gs://NAME)")
+    return value
+
+
+def needs_hf_token(args: dict) -> bool:
+    """Whether the run fetches a gated model's files from the Hub (its tokenizer, by MaxText's HF id)."""
+    tokenizer = args.get("tokenizer_path")
+    if tokenizer is None:
+        return bool(GATED_MODELS.match(str(args.get("model_name") or "")))
+    return bool(GATED_TOKENIZERS.match(str(tokenizer)))
 
 
 def checkpoint_period(a: dict) -> int:

@@ -38,6 +38,7 @@ echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hos
 
 # Environment (spec and site; secrets are never written here: they come from the submitting
 # shell's environment)
+export UV_PYTHON_INSTALL_DIR=/var/lib/hpcrl/venvs/python
 export PYTHONUNBUFFERED=1
 
 
@@ -53,13 +54,14 @@ venv=/var/lib/hpcrl/venvs/3bb47bc746f4
 mkdir -p "$(dirname "$venv")"
 (
   flock 9
-  if [ ! -f "$venv/.hpcrl-ready" ]; then
+  if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
     echo "hpcrl: building venv $venv"
+    t0=$SECONDS
     rm -rf "$venv"
-    python3.12 -m venv "$venv" &&
-      "$venv/bin/python" -m pip install --quiet --upgrade pip &&
-      "$venv/bin/python" -m pip install --quiet -r /var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/requirements.txt &&
+    # as the trainer's packages document it (the trainer's installer)
+    bash /var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/maxtext/install-venv.sh "$venv" /var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/requirements.txt &&
       touch "$venv/.hpcrl-ready" || { echo "hpcrl: venv build failed" >&2; exit 1; }
+    echo "hpcrl: venv built in $((SECONDS - t0)) s"
   fi
 ) 9>"$venv.lock" || { "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1; exit 1; }
 source "$venv/bin/activate"
@@ -94,7 +96,7 @@ trap 'if exited; then late USR1 "nothing to checkpoint"; else echo "hpcrl: USR1:
 trap 'if exited; then late TERM "nothing to stop"; else echo "hpcrl: TERM: stop now"; forward TERM; fi' TERM
 (
   trap : USR1 TERM INT
-  "$trainer_py" -m hpcrl.job.maxtext --python "$trainer_py" --ckpt-root gs://YOUR_BUCKET/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://YOUR_BUCKET/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://YOUR_BUCKET/llama3.1-8b-maxtext/0/items num_batches=3738
+  "$trainer_py" -m hpcrl.job.maxtext --python "$trainer_py" --ckpt-root gs://hpcrl-demo-bucket/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://hpcrl-demo-bucket/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://hpcrl-demo-bucket/llama3.1-8b-maxtext/0/items num_batches=3738
   echo "$?" > "$rc_file"
 ) &
 runner=$!
@@ -137,16 +139,21 @@ exit "$rc"
 # RUN_DIR/.tpu/hpcrl-maxtext-llama3-1-8b-gspo-310354-1.startup.sh: the VM's startup script (--metadata-from-file=startup-script=...)
 # ============================================================================
 #!/bin/bash
-# hpcrl TPU VM startup script: run maxtext-llama3.1-8b-gspo, segment job hpcrl-maxtext-llama3-1-8b-gspo-310354-1, site tpu-v5p-8.
+# hpcrl TPU VM startup script: run maxtext-llama3.1-8b-gspo, queued resource hpcrl-maxtext-llama3-1-8b-gspo-310354-1, site tpu-v5p-8.
 # Rendered by hpcrl 0.1.0; passed to `queued-resources create` as the startup-script
 # metadata, so the VM runs it as root on every boot. What it does: fetch the run's files from the
-# bucket, wait for the launcher's state that lists this job, run the SAME segment script (job.sh)
-# every backend runs with a deadline (USR1 before it, TERM at it, KILL after the grace), copy
-# logs, state, metrics and checkpoints back to the bucket while it works and when it ends, then
-# delete its own queued resource when the segment ended by itself (an idle TPU VM bills).
+# bucket, wait for the launcher's state that lists this job, then run the run's segments on this
+# one VM, one after the other: each the SAME segment script (job.sh) every backend runs, with a
+# deadline (USR1 before it, TERM at it, KILL after the grace), so that the trainer checkpoints
+# and stops and the next segment starts here, on the same disk and venv (a TPU VM has no
+# walltime: re-creating it would re-queue for capacity and rebuild everything). Logs, state,
+# metrics and checkpoints go to the bucket while it works; when the run needs no more segments
+# the VM deletes its own queued resource (an idle TPU VM bills). A preemption (TERM) ends it:
+# the watcher re-creates it and the new VM resumes from the bucket.
 set -uo pipefail
 
-export HPCRL_JOB_ID=hpcrl-maxtext-llama3-1-8b-gspo-310354-1
+export HPCRL_QR=hpcrl-maxtext-llama3-1-8b-gspo-310354-1   # this VM's queued resource; its first segment's job id
+export HPCRL_JOB_ID="$HPCRL_QR"
 run_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-gspo/run
 secrets_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-gspo/secrets.env
 run_dir=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo
@@ -154,6 +161,9 @@ hpcrl_py=/usr/bin/python3
 segment_s=14400
 signal_lead_s=300
 kill_grace_s=30
+# No report to the bucket for this long (the segment, its grace and site.report_margin_s): the VM
+# deletes itself, and the watcher deletes a VM it has not heard from for as long.
+stall_s=15330
 # The storage command and the copy period are variables so that tests can map gs:// to a local
 # directory and copy often.
 : "${HPCRL_GS:=gcloud storage}"
@@ -170,14 +180,30 @@ echo "hpcrl: VM $(hostname) starts segment job $HPCRL_JOB_ID"
 sync_up() {
   gs rsync --recursive --exclude='^(state\.json|\.lock|lib/.*|.*\.tmp-.*)$' "$run_dir" "$run_uri" >/dev/null 2>&1 ||
     echo "hpcrl: copying to $run_uri failed; retrying later"
-  gs cp "$run_dir/state.json" "$run_uri/jobs/$HPCRL_JOB_ID/${1:-state}.json" >/dev/null 2>&1
+  gs cp "$run_dir/state.json" "$run_uri/jobs/$HPCRL_QR/${1:-state}.json" >/dev/null 2>&1
 }
 give_up() {
-  echo "hpcrl: $1"
+  echo "hpcrl: $1; deleting queued resource $HPCRL_QR (an idle TPU VM bills)"
   gs cp "$log" "$run_uri/logs/" >/dev/null 2>&1
-  gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1
+  gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1 ||
+    echo "hpcrl: could not delete the queued resource (the VM's account lacks roles/tpu.admin); the watcher will"
   exit 1
 }
+
+# The heartbeat, from boot to the end: the watcher deletes a VM whose heartbeat stops (one that
+# cannot write the bucket never sends one), and the VM deletes itself when it cannot send it
+# for stall_s (a dead man's switch; job.sh's own hangs end at its deadline).
+beat_file="$run_dir/.hpcrl-heartbeat"
+touch "$beat_file"
+(
+  while :; do
+    date +%s | gs cp - "$run_uri/jobs/$HPCRL_QR/heartbeat" >/dev/null 2>&1 && touch "$beat_file"
+    [ $(( $(date +%s) - $(stat -c %Y "$beat_file") )) -le "$stall_s" ] ||
+      give_up "no report could reach $run_uri for ${stall_s}s"
+    sleep "$HPCRL_SYNC_S"
+  done
+) &
+heart=$!
 
 # 1. The run's files: spec, job.sh, hpcrl's snapshot, checkpoints (not old logs or VM states).
 gs rsync --recursive --exclude='^(logs|jobs)/.*$' "$run_uri" "$run_dir" >/dev/null ||
@@ -200,42 +226,88 @@ if secrets=$(gs cat "$secrets_uri" 2>/dev/null); then
 fi
 unset secrets
 
-# 4. The segment, in its own session so that the walltime can stop all of it.
-export HPCRL_JOB_END_TIME=$(( $(date +%s) + segment_s ))
+# 3b. The venvs (and the Python they were built with) under venv_root, packed into the bucket by
+#     the run's first VM once built: a later VM (after a preemption) restores them instead of
+#     rebuilding. venv.ok, written after a complete upload, marks a usable pack.
+venv_root=/var/lib/hpcrl/venvs
+venv_uri=gs://hpcrl-demo-bucket/hpcrl-runs/maxtext-llama3.1-8b-gspo/venv
+if command -v zstd >/dev/null; then venv_zip=--zstd; venv_obj="$venv_uri.tar.zst"; else venv_zip=--gzip; venv_obj="$venv_uri.tar.gz"; fi
+packer=""
+if [ -n "$venv_root" ]; then
+  mkdir -p "$venv_root"
+  t0=$SECONDS
+  if gs cat "$venv_uri.ok" >/dev/null 2>&1 && gs cat "$venv_obj" 2>/dev/null | tar -x $venv_zip -C "$venv_root"; then
+    echo "hpcrl: venvs restored from $venv_obj in $((SECONDS - t0)) s (not rebuilt)"
+  else
+    (
+      until compgen -G "$venv_root/*/.hpcrl-ready" >/dev/null; do sleep "$HPCRL_SYNC_S"; done
+      touch "$venv_root.packing"
+      t0=$SECONDS
+      tar -c $venv_zip -C "$venv_root" --exclude='*.lock' . | gs cp - "$venv_obj" >/dev/null 2>&1 &&
+        date +%s | gs cp - "$venv_uri.ok" >/dev/null 2>&1 &&
+        echo "hpcrl: venvs packed into $venv_obj in $((SECONDS - t0)) s" || echo "hpcrl: could not pack the venvs"
+    ) &
+    packer=$!
+  fi
+fi
+
+# 4. The segments, each in its own session so that the walltime can stop all of it.
 ( while sleep "$HPCRL_SYNC_S"; do sync_up; done ) &
 syncer=$!
-setsid bash "$run_dir/job.sh" &
-job=$!
+job=""
 terminated=""
 # SIGTERM: the VM is shutting down (spot preemption with ~30 s notice, or deletion).
 trap 'terminated=1; echo "hpcrl: TERM (preemption or deletion): stopping the segment"; kill -TERM -- "-$job" 2>/dev/null' TERM
-(
-  until_t() { local s=$(( $1 - $(date +%s) )); [ "$s" -gt 0 ] && sleep "$s"; }
-  until_t $(( HPCRL_JOB_END_TIME - signal_lead_s )); kill -USR1 "$job" 2>/dev/null
-  until_t "$HPCRL_JOB_END_TIME"; kill -TERM -- "-$job" 2>/dev/null
-  until_t $(( HPCRL_JOB_END_TIME + kill_grace_s )); kill -KILL -- "-$job" 2>/dev/null
-) &
-timer=$!
-# `wait` returns early when a trap fires; wait again until job.sh has really exited, then once
-# more for its own status (bash keeps a reaped child's status).
-while kill -0 "$job" 2>/dev/null; do
+while :; do
+  export HPCRL_JOB_END_TIME=$(( $(date +%s) + segment_s ))
+  setsid bash "$run_dir/job.sh" &
+  job=$!
+  (
+    until_t() { local s=$(( $1 - $(date +%s) )); [ "$s" -gt 0 ] && sleep "$s"; }
+    until_t $(( HPCRL_JOB_END_TIME - signal_lead_s )); kill -USR1 "$job" 2>/dev/null
+    until_t "$HPCRL_JOB_END_TIME"; kill -TERM -- "-$job" 2>/dev/null
+    until_t $(( HPCRL_JOB_END_TIME + kill_grace_s )); kill -KILL -- "-$job" 2>/dev/null
+  ) &
+  timer=$!
+  # `wait` returns early when a trap fires; wait again until job.sh has really exited, then once
+  # more for its own status (bash keeps a reaped child's status).
+  while kill -0 "$job" 2>/dev/null; do
+    wait "$job"
+  done
   wait "$job"
+  rc=$?
+  pkill -P "$timer" 2>/dev/null
+  kill "$timer" 2>/dev/null
+  echo "hpcrl: segment script exited with code $rc"
+  [ -z "$terminated" ] || break
+  # The run's next segment, on this VM (none when it is complete, failed or out of budget).
+  next=$(PYTHONPATH="$run_dir/lib${PYTHONPATH:+:$PYTHONPATH}" \
+    "$hpcrl_py" -m hpcrl.cli _segment next "$run_dir" --job-id "$HPCRL_JOB_ID") || break
+  [ -z "$terminated" ] || break
+  read -r HPCRL_JOB_ID segment_s <<<"$next"
+  echo "hpcrl: the run goes on here: segment job $HPCRL_JOB_ID"
+  exec >>"$run_dir/logs/job-$HPCRL_JOB_ID.log" 2>&1
+  echo "hpcrl: VM $(hostname) (queued resource $HPCRL_QR) starts segment job $HPCRL_JOB_ID"
+  sync_up
 done
-wait "$job"
-rc=$?
-for p in "$timer" "$syncer"; do
-  pkill -P "$p" 2>/dev/null
-  kill "$p" 2>/dev/null
-done
-echo "hpcrl: segment script exited with code $rc"
+pkill -P "$syncer" 2>/dev/null
+kill "$syncer" 2>/dev/null
+if [ -n "$packer" ]; then
+  # a pack under way is finished (a later VM needs it); one still waiting for a venv is not
+  if [ -e "$venv_root.packing" ] && [ -z "$terminated" ]; then wait "$packer"; fi
+  pkill -P "$packer" 2>/dev/null
+  kill "$packer" 2>/dev/null
+fi
 
 # 5. Everything to the bucket; final.json, written last, tells the watcher the copy is complete.
 # The log's last line is written before that copy: the watcher may finish the segment (and
 # `hpcrl logs -f` stop) as soon as final.json lands.
 if [ -z "$terminated" ]; then
-  echo "hpcrl: segment over; deleting queued resource $HPCRL_JOB_ID"
+  echo "hpcrl: the run needs no more segments; deleting queued resource $HPCRL_QR"
 fi
 sync_up final
+pkill -P "$heart" 2>/dev/null
+kill "$heart" 2>/dev/null
 if [ -z "$terminated" ]; then
   gcloud compute tpus queued-resources delete hpcrl-maxtext-llama3-1-8b-gspo-310354-1 --project=hpcrl-demo --zone=us-east5-a --force --quiet --async >/dev/null 2>&1 || echo "hpcrl: could not delete the queued resource; the watcher will"
 fi
