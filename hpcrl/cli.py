@@ -94,7 +94,8 @@ def cmd_venv(ns) -> int:
         print(f"no venv to build here: site '{resolved['site']['name']}' builds it on its own machines, in the job")
         return 0
     built = launch.build_venv(resolved)
-    print(f"venv {plan.path} {'built' if built else 'already ready'} ({len(plan.requirements)} requirements)")
+    print(f"venv {plan.path} {'built' if built else 'already ready'} ({len(plan.requirements)} requirements"
+          f"{'; ' + plan.size if plan.size else ''})")
     return 0
 
 

@@ -36,8 +36,11 @@ def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, e
     if backend.jobs_share_this_environment:
         checks += _paths(site, in_job=_in_job(environ))
         checks += _modules_and_python(site, get_trainer(trainer))
-        checks += _venv(site, spec or {"trainer": trainer, "args": {}, "requirements": []}, _in_job(environ),
-                        spec_file)
+        the_spec = spec or {"trainer": trainer, "args": {}, "requirements": []}
+        checks += _venv(site, the_spec, _in_job(environ), spec_file)
+        checks += _gpu_driver(site, the_spec)
+        checks += _venv_quota(site, the_spec)
+        checks += _nccl_plugin(site)
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
         checks += _paths({**site, "venv_root": None})
     return checks
@@ -72,6 +75,108 @@ def _venv(site: dict, spec: dict, in_job: bool, spec_file: str | None = None) ->
                       f"on a login node: {command} (or hpcrl submit, which builds it)")]
     return [Check("venv", "warn", f"{plan.path}: {why} (hpcrl submit builds it first, which takes minutes)",
                   f"build it now: {command}")]
+
+
+def _gpu_driver(site: dict, spec: dict) -> list[Check]:
+    """A GPU site: the driver's CUDA (nvidia-smi where it runs, else the profile's gpu_stack.driver_cuda)
+    against the CUDA the venv's torch is built for (its pin's +cuNNN, else the built venv's torch)."""
+    from . import gpucheck, stack, venv
+
+    facts = stack.facts(site)
+    if not int(site.get("gpus_per_node") or 0) or not facts.get("driver_cuda"):
+        return []
+    here, stated = gpucheck.driver_cuda(), str(facts["driver_cuda"])
+    driver = here or stated
+    source = "nvidia-smi here" if here else "the site profile; no nvidia-smi here"
+    out = []
+    if here and stack.cuda_major(here) != stack.cuda_major(stated):
+        out.append(Check("driver", "warn", f"nvidia-smi here says CUDA {here}, the site profile says {stated}",
+                         f"put gpu_stack: {{driver_cuda: '{here}'}} in your site file (extends: {site['name']})"))
+    try:
+        plan = venv.plan({"site": site, "spec": spec})
+    except HpcrlError:
+        plan = None
+    build = stack.build_of(plan.requirements if plan else [])
+    if build is None and plan is not None and venv.readiness(plan) is None:
+        build = _torch_cuda(str(plan.path / "bin" / "python"))
+    if build is None:
+        return out + [Check("driver", "warn", f"driver CUDA {driver} ({source}); the venv's torch names no CUDA build "
+                                              f"(the default index's torch is a CUDA 13 build since 2.11)",
+                            f"set gpu_stack.cuda_variant (e.g. cu128) in your site file")]
+    if stack.cuda_major(build) > stack.cuda_major(driver):
+        return out + [Check("driver", "fail", f"the venv's torch is built for CUDA {build}, the driver ({source}) "
+                                              f"supports CUDA {driver}: torch would see no GPU",
+                            f"install a CUDA {stack.cuda_major(driver)} build: gpu_stack.cuda_variant "
+                            f"{'cu128' if stack.cuda_major(driver) == 12 else 'cu' + str(stack.cuda_major(driver)) + 'x'} "
+                            f"in your site file (or --set site.gpu_stack.cuda_variant=...), then hpcrl venv build")]
+    return out + [Check("driver", "pass", f"driver CUDA {driver} ({source}) runs the venv's torch (built for CUDA {build})")]
+
+
+def _venv_quota(site: dict, spec: dict) -> list[Check]:
+    """venv_root's quota (gpu_stack.venv_quota_gb: Perlmutter's /global/common/software gives a project
+    ~10 GB) against what is there and the spec's venv: its resolved wheels (a floor) and the
+    installed estimate (stack.INSTALLED_PER_WHEEL x wheels)."""
+    from . import stack, venv
+
+    quota = stack.facts(site).get("venv_quota_gb")
+    try:
+        plan = venv.plan({"site": site, "spec": spec})
+    except HpcrlError:
+        return []
+    size = stack.size_of(site, list(plan.requirements)) if plan else None
+    if not quota or plan is None or size is None or venv.readiness(plan) is None:
+        return []
+    root = plan.path.parent
+    used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink()) if root.is_dir() else 0
+    free, wheels = float(quota) * 1e9 - used, size["wheels_bytes"]
+    need = wheels * stack.INSTALLED_PER_WHEEL
+    what = (f"venv_root {root}: quota {float(quota):g} GB, {used / 1e9:.1f} GB used; the spec's venv is "
+            f"{stack.describe_size(size)}")
+    fix = ("another venv_root with room (--set site.venv_root=DIR, e.g. a project directory with more quota), "
+           "site.trainer_python for an existing venv, or more quota from your centre (NERSC: a ticket for "
+           "/global/common/software)")
+    if wheels > free:
+        return [Check("venv quota", "fail", f"{what}: its wheels alone exceed what is left", fix)]
+    if need > free:
+        return [Check("venv quota", "warn", f"{what}: likely more than is left", fix)]
+    return [Check("venv quota", "pass", f"{what}: fits")]
+
+
+def _nccl_plugin(site: dict) -> list[Check]:
+    """A site with a multi-node NCCL set-up: after its modules load (in a non-interactive bash, as
+    in the job), is NCCL's network plugin (libnccl-net*.so) on the library path?"""
+    from . import stack
+
+    setup = stack.nccl_setup(site, 2)
+    if setup is None:
+        return []
+    modules = list(site.get("modules") or []) + setup["modules"]
+    script = "".join(f"module load {q(m)} || exit 91\n" for m in modules)
+    script += ('IFS=: ; for d in $LD_LIBRARY_PATH; do for f in "$d"/' + stack.PLUGIN_GLOB
+               + '; do [ -e "$f" ] && { echo "$f"; exit 0; }; done; done; exit 92\n')
+    try:
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return [Check("nccl", "warn", "loading the NCCL modules took over 2 minutes", "check the module system")]
+    fix = (f"on {site['name']}'s login node `module load {' '.join(setup['modules']) or '...'}` must put the "
+           f"aws-ofi-nccl plugin on LD_LIBRARY_PATH (`module show`); without it multi-node NCCL falls back to TCP")
+    if proc.returncode == 0:
+        return [Check("nccl", "pass", f"multi-node runs: NCCL's network plugin found ({proc.stdout.strip()})")]
+    if proc.returncode == 91 or "module: command not found" in proc.stderr:
+        return [Check("nccl", "warn", f"multi-node runs: `module load {' '.join(modules)}` fails here, so NCCL's "
+                                      f"network plugin cannot be looked for", fix)]
+    return [Check("nccl", "warn", f"multi-node runs: no {stack.PLUGIN_GLOB} on LD_LIBRARY_PATH after the modules "
+                                  f"load: NCCL would use TCP sockets across nodes", fix)]
+
+
+def _torch_cuda(python: str) -> str | None:
+    try:
+        proc = subprocess.run([python, "-c", "import torch; print(torch.version.cuda or '')"], capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
 def _paths(site: dict, in_job: bool = False) -> list[Check]:

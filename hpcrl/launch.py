@@ -32,6 +32,7 @@ from .paths import hpcrl_home
 from .render import ScriptParts, expand_path, render_script, venv_path
 from .runs import Run, RunLayout
 from .spec import world_size
+from .stack import describe_size, gpu_check, nccl_setup, size_of
 from .trainers import get_trainer
 from .trainers.base import TrainerContext, torchrun_argv
 from .venv import build_command, requirements  # requirements: also launch.requirements for export
@@ -89,7 +90,9 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
         venv=venv_path(site, requirements(resolved)), venv_prebuilt=backend.jobs_share_this_environment,
         requirements=requirements(resolved), venv_build_command=build_command(run_id),
         venv_install=trainer.venv_installer(ctx), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
-        exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None))
+        exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None,
+        gpu_check=gpu_check(site, trainer), venv_size=describe_size(size_of(site, requirements(resolved))),
+        nccl=nccl_setup(site, res.get("nodes") or 1) if gpu_check(site, trainer) else None))
 
 
 def render(resolved: dict, run_id: str | None = None) -> str:

@@ -82,6 +82,10 @@ class ScriptParts:
     # Under a multi-process launcher (torchrun, srun): the backend's bash before it (None: the
     # trainer is one process). USR1 then becomes HPCRL_STOP_FILE and the code HPCRL_EXIT_FILE.
     ranks_prelude: str | None = None
+    # Start with `python -m hpcrl.rl.gpucheck` (the venv's torch sees each GPU given): hpcrl/stack.py
+    gpu_check: bool = False
+    venv_size: str = ""       # the resolved wheels' size, when measured (stack.describe_size)
+    nccl: dict | None = None  # multi-node NCCL set-up from the site (stack.nccl_setup): modules, env
 
 
 def render_script(p: ScriptParts) -> str:
@@ -106,5 +110,5 @@ def render_script(p: ScriptParts) -> str:
         trainer_python=site.get("trainer_python"), python=site.get("python") or "python3",
         requirements_file=str(lay.requirements), env=env, nothing_to_do=int(p.nothing_to_do),
         exit_continue=int(p.exit_continue),
-        bootstrap=p.bootstrap, command=command_line(p.command), forward_usr1=p.forward_usr1,
+        bootstrap=p.bootstrap, gpu_check=p.gpu_check, venv_size=p.venv_size, nccl=p.nccl, command=command_line(p.command), forward_usr1=p.forward_usr1,
     )

@@ -64,6 +64,9 @@ SITE_DEFAULTS = {
     "trainer_python": None,
     # what the allocation is charged per node-hour used (`status` shows the charge); null: not said
     "charge_factor": None,
+    # GPU sites: the CUDA the nodes' driver runs, the builds the venv installs for it, the
+    # venv_root quota, NCCL across nodes (hpcrl/stack.py reads it; docs/perlmutter.md)
+    "gpu_stack": {},
 }
 # Keys a backend adds (Backend.site_keys: TPU's project, zone, bucket, ...) join these in
 # site_keys(); the backend owns their meaning and checks them in complete_site.

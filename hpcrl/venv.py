@@ -42,6 +42,7 @@ class Plan:
     python: str
     modules: tuple[str, ...]
     setup: tuple[str, ...]
+    size: str = ""  # the resolved wheels' size when measured (hpcrl/stack_sizes.py)
 
     @property
     def marker(self) -> Path:
@@ -66,7 +67,10 @@ def requirements(resolved: dict) -> list[str]:
     spec, site = resolved["spec"], resolved["site"]
     if site.get("trainer_python"):
         return []  # the user's own interpreter: nothing to install
-    return list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"])
+    from .stack import for_site
+
+    # the site's CUDA build named explicitly (index option + local-version pins): hpcrl/stack.py
+    return for_site(list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"]), site)
 
 
 def plan(resolved: dict) -> Plan | None:
@@ -78,8 +82,10 @@ def plan(resolved: dict) -> Plan | None:
     path = venv_path(site, reqs)
     if path is None:
         return None
+    from .stack import describe_size, size_of
+
     return Plan(Path(path), tuple(reqs), site.get("python") or "python3", tuple(site.get("modules") or []),
-                tuple(site.get("setup") or []))
+                tuple(site.get("setup") or []), describe_size(size_of(site, reqs)))
 
 
 def built_here(resolved: dict) -> bool:
@@ -143,7 +149,8 @@ def ensure(p: Plan, say=None) -> bool:
 
 def _build(p: Plan, say) -> None:
     shutil.rmtree(p.path, ignore_errors=True)
-    say(f"building venv {p.path} ({len(p.requirements)} requirements; pip's output: {p.log})")
+    say(f"building venv {p.path} ({len(p.requirements)} requirements{'; ' + p.size if p.size else ''}; "
+        f"pip's output: {p.log})")
     reqs = p.path.parent / (p.path.name + ".requirements.txt")
     reqs.write_text(p.marker_text(), encoding="utf-8")
     try:

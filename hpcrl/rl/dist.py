@@ -43,6 +43,10 @@ class Dist:
         import torch.distributed as dist
 
         use_cuda = device_name != "cpu" and torch.cuda.is_available()
+        if device_name == "auto" and not use_cuda:
+            from .policy import cpu_only_or_fail
+
+            cpu_only_or_fail()  # gloo on the CPU only where no GPU was given
         if use_cuda:
             torch.cuda.set_device(local_rank)
         # the timeout bounds every collective: a peer that is alive but stuck fails this rank

@@ -9,8 +9,27 @@ from . import memory
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        cpu_only_or_fail()
+        return torch.device("cpu")
     return torch.device(name)
+
+
+def cpu_only_or_fail() -> None:
+    """The CPU is the device only where the job was given no GPU: a torch that cannot see the GPUs
+    it was given (a build for a newer CUDA than the driver's) stops the trainer with the reason,
+    never trains on the CPU without a word."""
+    from .. import gpucheck
+    from .gpucheck import torch_build
+
+    if gpucheck.gpus_given():
+        _, line = gpucheck.verdict(gpucheck.gpus_given(), *torch_build(), gpucheck.driver_cuda())
+        raise NoGPU(line)
+
+
+class NoGPU(RuntimeError):
+    """The job was given GPUs that this torch cannot see (the message: gpucheck's one line)."""
 
 
 def load_policy(model_dir, device: torch.device):

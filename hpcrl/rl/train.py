@@ -40,12 +40,16 @@ def main(argv=None) -> int:
         print(f"hpcrl.rl: error: {e}", file=sys.stderr)
         return 2
     from .loop import RLTrainer
+    from .policy import NoGPU
 
     try:
         trainer = RLTrainer(cfg, ctx, stop)
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcrl.rl: error: {e}", file=sys.stderr)
         return 2
+    except NoGPU as e:  # never the CPU in silence where GPUs were given: the reason for `status`
+        report_failure(ctx, str(e))
+        return 1
     from .checkpoint import RanksDisagree
     from .loop import SaveFailed
     from .tensorfile import ModelMismatch

@@ -62,6 +62,8 @@ class Trainer:
     # pins (another one is a warning at submit); None: hpcrl's own code is enough.
     package: str | None = None
     package_version: str | None = None
+    # Runs on the site's GPUs: on a GPU site each segment first checks that the venv's torch sees them.
+    uses_gpus = False
     # Ranks under torchrun (resources.ranks_per_node x resources.nodes): None, the trainer places
     # its own workers (ranks_hint says how); "gpu", one rank per GPU (default: the GPUs per node);
     # "any", ranks that need no device (default 1). A world of one runs `command` as it is.
@@ -93,6 +95,11 @@ class Trainer:
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         """pip requirements of the venv the trainer runs in (empty: hpcrl's own interpreter)."""
+        return []
+
+    def runtime_packages(self, args: dict) -> list[str]:
+        """Distributions the trainer imports when it runs with these args (the resolve test checks
+        that the venv's requirement set installs each one)."""
         return []
 
     def files(self, ctx: TrainerContext) -> dict[str, str]:

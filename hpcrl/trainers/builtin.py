@@ -27,6 +27,7 @@ class BuiltinTrainer(Trainer):
     name = "builtin"
     schema = SCHEMA
     package, package_version = "torch", None
+    uses_gpus = True  # on a GPU site each segment first checks its torch sees them (hpcrl/rl/gpucheck.py)
     ranks = "gpu"  # torch.distributed: one rank per GPU (gloo CPU ranks where there are none)
 
     def check_world(self, args: dict, world: int) -> None:
@@ -66,6 +67,9 @@ class BuiltinTrainer(Trainer):
         if (args or {}).get("wandb_project"):
             reqs = reqs + ["wandb"]
         return list(reqs)
+
+    def runtime_packages(self, args: dict) -> list[str]:
+        return ["torch", "transformers", "safetensors", "xxhash"] + (["vllm"] if (args or {}).get("rollout") == "vllm" else [])
 
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         return {"trainer.json": json.dumps(ctx.args, indent=1, sort_keys=True) + "\n"}

@@ -38,6 +38,14 @@ _ROLLOUT_PINS = {
     "vllm": ["torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0", "vllm==0.24.0", "transformers==5.9.0"],
     "sglang": ["torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0", "sglang==0.5.12", "transformers==5.9.0"],
 }
+# The actor's (and PPO critic's) attention. verl 0.9.1 defaults to flash_attention_2, and verl[vllm]
+# installs no flash-attn: PyPI has only its source, which compiles for hours against the venv's
+# torch and CUDA. sdpa needs nothing beyond torch; it runs unpadded batches only through
+# flash-attn's varlen kernels, so remove-padding is off with it (padded batches: more compute).
+ATTENTION = {
+    "sdpa": {"+{role}.model.override_config.attn_implementation": "sdpa", "{role}.model.use_remove_padding": False},
+    "flash_attention_2": {},
+}
 TRACKER = "latest_checkpointed_iteration.txt"
 LAUNCH_MODULE = "hpcrl.job.verl"  # the job-side launcher, run from the run's lib/
 REWARD_FILE = "verl/rewards.py"
@@ -111,6 +119,8 @@ SCHEMA = Schema("verl", [
     Int("max_response_length", 1024, "response tokens", ge=1),
     Int("rollout_n", None, "responses per prompt; null: 1 for ppo, 5 for grpo, 16 for gspo", ge=1, nullable=True),
     Choice("rollout", "vllm", _ROLLOUT_PINS, "vllm | sglang"),
+    Choice("attention", "sdpa", ATTENTION, "sdpa (PyTorch's own) | flash_attention_2 (verl's default: needs flash-attn "
+                                           "in the spec's requirements)"),
     Int("rollout_tp", 1, "tensor parallel size of the rollout engine", ge=1),
     Float("gpu_memory_utilization", 0.4, "share of each GPU the rollout engine may take", gt=0, le=1),
     Float("actor_lr", 1e-6, "actor learning rate", gt=0),
@@ -140,6 +150,7 @@ SCHEMA = Schema("verl", [
 
 class VerlTrainer(Trainer):
     name = "verl"
+    uses_gpus = True  # on a GPU site each segment first checks its torch sees them (hpcrl/rl/gpucheck.py)
     obeys_protocol = True  # through hpcrl.job.verl: exit 0 complete, 85 continue
     schema = SCHEMA
     package, package_version = "verl", VERL_VERSION
@@ -158,6 +169,11 @@ class VerlTrainer(Trainer):
     def requirements(self, args: dict, site: dict) -> list[str]:
         return [f"verl[{args.get('rollout', 'vllm')}]=={VERL_VERSION}", *_ROLLOUT_PINS[args.get("rollout", "vllm")]]
 
+    def runtime_packages(self, args: dict) -> list[str]:
+        # verl 0.9.1's model config defaults to attn_implementation=flash_attention_2
+        attention = args.get("attention", "sdpa")
+        return ["verl", "torch", "ray", args.get("rollout", "vllm")] + (["flash-attn"] if attention == "flash_attention_2" else [])
+
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         here = Path(__file__).resolve().parent
         out = {}
@@ -170,7 +186,9 @@ class VerlTrainer(Trainer):
         """The static Hydra overrides (the launcher appends the per-segment ones)."""
         a = ctx.args
         pairs = {**self._data(a), **self._model(ctx), **self._algorithm(ctx), **self._trainer(ctx)}
-        return [_kv(k, v) for k, v in pairs.items()] + list(a["overrides"])
+        # a key the user overrides too is theirs (Hydra refuses `+key` twice)
+        theirs = {_OVERRIDE.match(o).group(2) for o in a["overrides"] if _OVERRIDE.match(o)}
+        return [_kv(k, v) for k, v in pairs.items() if k.lstrip("+") not in theirs] + list(a["overrides"])
 
     def command(self, ctx: TrainerContext) -> list[str]:
         a = ctx.args
@@ -209,9 +227,13 @@ class VerlTrainer(Trainer):
             f"{arr}.rollout.log_prob_micro_batch_size_per_gpu": a["log_prob_micro_batch_size_per_gpu"],
             f"{arr}.ref.log_prob_micro_batch_size_per_gpu": a["ref_log_prob_micro_batch_size_per_gpu"],
         }
+        roles = [arr]
         if a["algorithm"] == "ppo":  # the critic exists only for GAE
             out.update({"critic.model.path": a["model"], "critic.optim.lr": a["critic_lr"],
                         "critic.ppo_micro_batch_size_per_gpu": a["micro_batch_size_per_gpu"]})
+            roles.append("critic")
+        for role in roles:
+            out.update({k.format(role=role): v for k, v in ATTENTION[a.get("attention", "sdpa")].items()})
         return out
 
     def _algorithm(self, ctx) -> dict:

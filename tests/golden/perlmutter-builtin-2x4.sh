@@ -61,11 +61,21 @@ export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false
 
 
+# NCCL across nodes (site gpu_stack.nccl): the network plugin and the interconnect's settings
+module load nccl
+export FI_CXI_DISABLE_HOST_REGISTER=1
+export FI_MR_CACHE_MONITOR=userfaultfd
+export NCCL_CROSS_NIC=1
+export NCCL_NET_GDR_LEVEL=PHB
+export NCCL_SOCKET_IFNAME=hsn
+
+
 # The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
 # the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
 # /global/common). The job only checks that it is ready and activates it; it writes nothing there.
 # Its requirements:
-#   torch==2.13.0
+#   --extra-index-url https://download.pytorch.org/whl/cu128
+#   torch==2.11.0+cu128
 #   transformers>=5.0,<5.20
 #   tokenizers>=0.21
 #   safetensors>=0.4
@@ -73,7 +83,7 @@ export TOKENIZERS_PARALLELISM=false
 #   numpy>=1.26
 #   pandas>=2.0
 #   pyarrow>=15
-venv=/global/common/software/m1234/hpcrl/venvs/12ed82312cd0
+venv=/global/common/software/m1234/hpcrl/venvs/b83bc79a4a96
 if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
   hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: "'hpcrl venv build --run pm2'
   echo "hpcrl: $hpcrl_why" >&2
@@ -85,6 +95,20 @@ echo "hpcrl: venv $venv (ready since $(date -r "$venv/.hpcrl-ready" '+%F %T'))"
 source "$venv/bin/activate"
 trainer_py="$venv/bin/python"
 
+
+
+# The venv's torch must see every GPU this job was given: a build for a newer CUDA than the
+# driver's sees none (the trainer would run on the CPU or crash at its first CUDA call). Seconds.
+hpcrl_gpu=$("$trainer_py" -m hpcrl.rl.gpucheck 2>&1)
+hpcrl_gpu_rc=$?
+hpcrl_gpu=$(printf '%s\n' "$hpcrl_gpu" | tail -n 1)  # the verdict; torch's own warnings come before it
+if [ "$hpcrl_gpu_rc" -ne 0 ]; then
+  echo "hpcrl: $hpcrl_gpu" >&2
+  echo "$hpcrl_gpu" > "$HPCRL_RUN_DIR/trainer_error.txt"
+  "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
+  exit 1
+fi
+echo "hpcrl: $hpcrl_gpu"
 
 
 cd "$HPCRL_RUN_DIR"

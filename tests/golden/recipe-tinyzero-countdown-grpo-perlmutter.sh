@@ -65,14 +65,16 @@ export PYTHONUNBUFFERED=1
 # The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
 # the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
 # /global/common). The job only checks that it is ready and activates it; it writes nothing there.
+# Its size: 4.5 GB of wheels for Linux x86_64 (256 packages), ~13 GB installed (estimate)
 # Its requirements:
+#   --extra-index-url https://download.pytorch.org/whl/cu128
 #   verl[vllm]==0.9.1
-#   torch==2.11.0
-#   torchvision==0.26.0
-#   torchaudio==2.11.0
-#   vllm==0.24.0
+#   torch==2.11.0+cu128
+#   torchvision==0.26.0+cu128
+#   torchaudio==2.11.0+cu128
+#   vllm @ https://github.com/vllm-project/vllm/releases/download/v0.24.0/vllm-0.24.0+cu128-cp38-abi3-manylinux_2_28_x86_64.whl
 #   transformers==5.9.0
-venv=/global/common/software/m1234/hpcrl/venvs/5f186cc34b1c
+venv=/global/common/software/m1234/hpcrl/venvs/2ca2d223d327
 if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
   hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: "'hpcrl venv build --run tinyzero-countdown-grpo'
   echo "hpcrl: $hpcrl_why" >&2
@@ -84,6 +86,20 @@ echo "hpcrl: venv $venv (ready since $(date -r "$venv/.hpcrl-ready" '+%F %T'))"
 source "$venv/bin/activate"
 trainer_py="$venv/bin/python"
 
+
+
+# The venv's torch must see every GPU this job was given: a build for a newer CUDA than the
+# driver's sees none (the trainer would run on the CPU or crash at its first CUDA call). Seconds.
+hpcrl_gpu=$("$trainer_py" -m hpcrl.rl.gpucheck 2>&1)
+hpcrl_gpu_rc=$?
+hpcrl_gpu=$(printf '%s\n' "$hpcrl_gpu" | tail -n 1)  # the verdict; torch's own warnings come before it
+if [ "$hpcrl_gpu_rc" -ne 0 ]; then
+  echo "hpcrl: $hpcrl_gpu" >&2
+  echo "$hpcrl_gpu" > "$HPCRL_RUN_DIR/trainer_error.txt"
+  "$hpcrl_py" -m hpcrl.cli _segment end "$HPCRL_RUN_DIR" --job-id "$HPCRL_JOB_ID" --rc 1
+  exit 1
+fi
+echo "hpcrl: $hpcrl_gpu"
 
 
 cd "$HPCRL_RUN_DIR"
@@ -123,7 +139,7 @@ trap 'if exited; then late USR1 "nothing to checkpoint"; else echo "hpcrl: USR1:
 trap 'if exited; then late TERM "nothing to stop"; else echo "hpcrl: TERM: stop now"; forward TERM; fi' TERM
 (
   trap : USR1 TERM INT
-  "$trainer_py" -m hpcrl.job.verl --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/tinyzero-countdown-grpo/checkpoints --save-mode deadline --save-freq 100 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/countdown/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/countdown/test.parquet'"'"'' data.train_batch_size=256 data.max_prompt_length=256 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-3B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=5 actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 algorithm.adv_estimator=grpo actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.kl_loss_coef=0.001 reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/tinyzero-countdown-grpo/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/tinyzero-countdown-grpo/checkpoints trainer.resume_mode=auto trainer.nnodes=1 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=100 trainer.project_name=TinyZero trainer.experiment_name=tinyzero-countdown-grpo trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300 ray_kwargs.ray_init.num_cpus=128
+  "$trainer_py" -m hpcrl.job.verl --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/tinyzero-countdown-grpo/checkpoints --save-mode deadline --save-freq 100 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/countdown/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/countdown/test.parquet'"'"'' data.train_batch_size=256 data.max_prompt_length=256 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-3B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=5 actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False algorithm.adv_estimator=grpo actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.kl_loss_coef=0.001 reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/tinyzero-countdown-grpo/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/tinyzero-countdown-grpo/checkpoints trainer.resume_mode=auto trainer.nnodes=1 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=100 trainer.project_name=TinyZero trainer.experiment_name=tinyzero-countdown-grpo trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300 ray_kwargs.ray_init.num_cpus=128
   echo "$?" > "$rc_file"
 ) &
 runner=$!

@@ -1,0 +1,188 @@
+"""Every GPU recipe's venv resolves for the machine it is built for (issue 31).
+
+Each recipe's complete requirement set as `hpcrl render --site perlmutter` renders it is resolved
+for Linux x86_64 and the site's Python (`uv pip compile --python-platform`, metadata only: a
+dry run, not an install) against the package index this machine reaches, and fails on:
+- a pin that cannot be resolved, or two that conflict (uv's own explanation is the message);
+- a CUDA major above the one the site's driver supports (site.gpu_stack.driver_cuda), read from
+  the resolved set: cuda-toolkit / nvidia-cuda-runtime versions, nvidia-*-cuNN names, torch's
+  local version (+cuNNN);
+- a package the trainer imports at run time (Trainer.runtime_packages) that is not installed.
+
+Where a build lives only on an index this machine cannot reach (PyTorch's +cu12x wheels on
+download.pytorch.org, vLLM's +cu12x wheels on its GitHub releases), the same versions are
+resolved from the default index, and the rendered index option and the build's CUDA tag are
+checked instead: the report below says which (it is printed, never skipped).
+
+Resolves are cached by requirement set (~/.cache/hpcrl/resolve, or $HPCRL_RESOLVE_CACHE): the
+first run needs the package index (~20 s per distinct set), a rerun is instant.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+from hpcrl import resolve as rs
+
+GPU_SITE = "perlmutter"
+GPU_RECIPES = ["gsm8k-grpo", "gsm8k-gspo", "countdown-grpo", "mbpp-code-grpo", "tinyzero-countdown-builtin",
+               "tinyzero-countdown-ppo", "tinyzero-countdown-grpo", "verl-gsm8k-grpo", "verl-gsm8k-gspo"]
+CACHE = Path(os.environ.get("HPCRL_RESOLVE_CACHE") or Path.home() / ".cache" / "hpcrl" / "resolve")
+
+
+RESOLVED: dict[str, rs.Resolved] = {}  # name -> its resolve, for the size table below
+
+
+def tpu_requirement_sets() -> list[tuple[str, list[str], str, str]]:
+    """HOOK for the TPU recipes (issue 31 item 4, the `tpu` work): (name, requirements, python,
+    driver note) of each TPU recipe's VM venv as MaxText documents it. Returns none until that
+    function exists; then each set goes through the same resolve and checks as the GPU sets."""
+    return []
+
+
+def gpu_case(recipe: str) -> tuple[dict, list[str]]:
+    from hpcrl import spec, venv
+
+    resolved = spec.resolve(str(ROOT / "hpcrl" / "recipes" / f"{recipe}.yaml"), GPU_SITE,
+                            flags={"account": "m1234_g", "hours": 4})
+    return resolved, venv.requirements(resolved)
+
+
+def conflicting_pins(requirements: list[str]) -> list[str]:
+    pins: dict[str, set[str]] = {}
+    for req in requirements:
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(\S+)$", req.strip())
+        if m:
+            pins.setdefault(rs.canonical(m.group(1)), set()).add(m.group(2))
+    return [f"{name}: {' vs '.join(sorted(v))}" for name, v in pins.items() if len(v) > 1]
+
+
+def check_set(name: str, requirements: list[str], python: str, driver_cuda: str, runtime: list[str]) -> list[str]:
+    """The problems of one requirement set (empty: it installs and runs on its target); prints the report."""
+    problems = [f"conflicting pins {c}" for c in conflicting_pins(requirements)]
+    if problems:
+        return problems
+    try:
+        res = rs.resolve(requirements, python=python, cache_dir=CACHE)
+    except rs.ResolveError as e:
+        return [f"does not resolve for Linux x86_64, Python {python}: {e}"]
+    driver = int(str(driver_cuda).split(".")[0])
+    replaced = {rs.canonical(re.split(r"[=@\[ ]", new.split(" from ")[0])[0]) for new in res.substituted.values()
+                if " from " in new}
+    majors: dict[str, int] = {}
+    excused = 0
+    for pkg in res.packages.values():
+        major = rs.cuda_major(pkg)
+        if major is not None and rs.attributed(res, pkg.name, replaced):
+            excused += 1  # the default index's build of a replaced package brought it: not installed
+        elif major is not None:
+            majors[f"{pkg.name}=={pkg.version}"] = major
+    problems += [f"{what} needs CUDA {major}, the site's driver supports {driver_cuda}"
+                 for what, major in sorted(majors.items()) if major > driver]
+    for req, why in res.substituted.items():  # checked from the rendered options instead
+        tag = re.search(r"\+cu(\d\d)\d", req)
+        if tag and int(tag.group(1)) > driver:
+            problems.append(f"{req} is a CUDA {tag.group(1)} build, the site's driver supports {driver_cuda}")
+    local = [r for r in res.substituted if re.search(r"==\S+\+cu\d+$", r)]
+    if local and not any(r.startswith(("--extra-index-url ", "--index-url ")) for r in requirements):
+        problems.append(f"{local[0]} is pinned with no index option that serves it")
+    problems += [f"the trainer imports {p} at run time, and the set does not install it"
+                 for p in runtime if rs.canonical(p) not in res.packages]
+    RESOLVED[name] = res
+    print(f"\n[{name}] Python {python}, Linux x86_64, driver CUDA {driver_cuda}: {len(res.packages)} packages, "
+          f"wheels {res.wheel_bytes / 1e9:.2f} GB, CUDA majors {sorted(set(majors.values())) or 'none named'}"
+          f"{f'; {excused} CUDA packages came with the default-index stand-ins, not checked' if excused else ''}"
+          f"{' (cached)' if res.cached else f' ({res.seconds:.0f} s)'}")
+    for req, why in res.substituted.items():
+        print(f"  not reachable here, checked from the rendered requirements instead: {req} -> {why}")
+    return problems
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_gpu_recipe_venv_resolves_for_its_site(recipe):
+    from hpcrl.trainers import get_trainer
+
+    resolved, reqs = gpu_case(recipe)
+    stack = resolved["site"].get("gpu_stack") or {}
+    assert stack.get("driver_cuda"), f"site {GPU_SITE} states no gpu_stack.driver_cuda"
+    runtime = get_trainer(resolved["spec"]["trainer"]).runtime_packages(resolved["spec"]["args"])
+    problems = check_set(recipe, reqs, str(stack.get("python_version") or "3.12"), stack["driver_cuda"], runtime)
+    assert not problems, f"{recipe} on {GPU_SITE}:\n  " + "\n  ".join(problems)
+
+
+def test_tpu_sets_hook_resolves_what_it_is_given():
+    for name, reqs, python, driver in tpu_requirement_sets():
+        problems = check_set(name, reqs, python, driver, [])
+        assert not problems, f"{name}:\n  " + "\n  ".join(problems)
+
+
+def test_the_checks_catch_what_they_are_for():
+    """Each failure the recipes must not have, on a set that has it (no network: parsing only)."""
+    assert conflicting_pins(["torch==2.13.0", "vllm==0.24.0", "torch==2.11.0"]) == ["torch: 2.11.0 vs 2.13.0"]
+    pkgs = {n: rs.Package(n, v, via=via) for n, v, via in [
+        ("torch", "2.11.0", ["-r"]), ("cuda-toolkit", "13.0.2", ["torch"]), ("nvidia-nccl-cu13", "2.28", ["torch"]),
+        ("numpy", "2.5.5", ["-r", "torch"]), ("nvidia-cutlass-dsl-libs-cu13", "4.4", ["nvidia-cutlass-dsl"]),
+        ("nvidia-cutlass-dsl", "4.4", ["vllm"]), ("vllm", "0.24.0", ["-r"])]}
+    res = rs.Resolved(pkgs, {})
+    assert {n: rs.cuda_major(p) for n, p in pkgs.items() if rs.cuda_major(p)} == {
+        "cuda-toolkit": 13, "nvidia-nccl-cu13": 13, "nvidia-cutlass-dsl-libs-cu13": 13}
+    assert rs.cuda_major(rs.Package("torch", "2.11.0+cu128")) == 12
+    # attributed to a replaced build: only what comes in through it alone
+    assert rs.attributed(res, "cuda-toolkit", {"torch"}) and not rs.attributed(res, "cuda-toolkit", {"vllm"})
+    assert rs.attributed(res, "nvidia-cutlass-dsl-libs-cu13", {"vllm"})
+    assert not rs.attributed(res, "torch", {"torch"}), "a requirement of the set itself is never excused"
+    # unreachable index options: local-version pins and direct wheel URLs resolved as plain versions
+    reqs, subs = rs.reachable_form(
+        ["--extra-index-url https://download.pytorch.org/whl/cu128", "torch==2.11.0+cu128", "numpy>=1.26",
+         "vllm @ https://github.com/vllm-project/vllm/releases/download/v0.24.0/"
+         "vllm-0.24.0+cu128-cp38-abi3-manylinux_2_28_x86_64.whl"], can_reach=lambda url: False)
+    assert reqs == ["torch==2.11.0", "numpy>=1.26", "vllm==0.24.0"] and len(subs) == 3
+    reqs, subs = rs.reachable_form(["--extra-index-url https://x/cu128", "torch==2.11.0+cu128"], can_reach=lambda u: True)
+    assert reqs == ["--extra-index-url https://x/cu128", "torch==2.11.0+cu128"] and not subs
+
+
+def test_a_driver_older_than_the_build_fails_the_set():
+    """The same recipe on a site whose driver is CUDA 11: its +cu128 builds are named as too new."""
+    resolved, reqs = gpu_case("verl-gsm8k-grpo")
+    problems = check_set("verl-gsm8k-grpo@cuda11", reqs, "3.12", "11.8", [])
+    assert any("torch==2.11.0+cu128 is a CUDA 12 build" in p for p in problems), problems
+    problems = check_set("verl-gsm8k-grpo@flash", reqs, "3.12", "12.4", ["flash-attn"])
+    assert problems == ["the trainer imports flash-attn at run time, and the set does not install it"]
+
+
+def test_size_table_matches_each_recipes_resolved_wheels():
+    """hpcrl/stack_sizes.py (what render, venv build and doctor show) holds each GPU recipe's
+    resolved wheel bytes; HPCRL_UPDATE_GOLDENS=1 rewrites it."""
+    import pprint
+
+    from hpcrl import stack
+    from hpcrl.stack_sizes import SIZES
+
+    want: dict = {}
+    for recipe in GPU_RECIPES:
+        resolved, reqs = gpu_case(recipe)
+        stack_facts = resolved["site"]["gpu_stack"]
+        res = rs.resolve(reqs, python=str(stack_facts.get("python_version") or "3.12"), cache_dir=CACHE)
+        key = stack.size_key(resolved["site"], reqs)
+        largest = sorted(((p.size or 0, p.name) for p in res.packages.values()), reverse=True)[:5]
+        entry = want.setdefault(key, {"recipes": [], "wheels_bytes": res.wheel_bytes, "packages": len(res.packages),
+                                      "largest": [[n, round(s / 1e6)] for s, n in largest],
+                                      "stand_ins": sorted(r for r in res.substituted if not r.startswith("--"))})
+        entry["recipes"].append(recipe)
+    path = ROOT / "hpcrl" / "stack_sizes.py"
+    if os.environ.get("HPCRL_UPDATE_GOLDENS") == "1":
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text[:text.index("SIZES: dict = ")] + "SIZES: dict = " + pprint.pformat(want, width=110)
+                        + "\n", encoding="utf-8")
+        return
+    stale = "hpcrl/stack_sizes.py is stale: rerun this test with HPCRL_UPDATE_GOLDENS=1"
+    assert sorted(SIZES) == sorted(want), stale  # a requirement set changed
+    for key, entry in want.items():
+        # ranges (transformers>=5.0,<5.20, ...) resolve to newer releases over time: 10% leeway
+        assert SIZES[key]["recipes"] == entry["recipes"], stale
+        assert abs(SIZES[key]["wheels_bytes"] - entry["wheels_bytes"]) <= 0.1 * entry["wheels_bytes"], stale
