@@ -243,3 +243,18 @@ def test_verl_attention_defaults_to_sdpa_and_a_users_own_override_wins():
     flash = t.validate_args({**base, "attention": "flash_attention_2"})
     assert "flash-attn" in t.runtime_packages(flash)
     assert not any("attn_implementation" in o for o in t.overrides(adapter_context(t, flash, "/run")))
+
+
+@pytest.mark.parametrize("required", ["1", None])
+def test_the_builtin_trainer_never_falls_back_to_the_cpu_on_a_gpu_site(monkeypatch, tmp_path, required):
+    from hpcrl.rl import policy
+
+    monkeypatch.setenv("PATH", f"{nvidia_smi_double(tmp_path)}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    if required:
+        monkeypatch.setenv("HPCRL_GPUS_REQUIRED", required)
+        with pytest.raises(policy.NoGPU, match=r"sees 0 of the 4 GPUs given \(driver CUDA 12\.4"):
+            policy.pick_device("auto")
+    else:  # no GPU site (stand-in GPUs of a test cluster): the CPU, as before
+        monkeypatch.delenv("HPCRL_GPUS_REQUIRED", raising=False)
+        assert policy.pick_device("auto").type == "cpu"

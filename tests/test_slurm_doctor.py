@@ -32,7 +32,9 @@ def login_node(home, pm_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # the venv builds below install nothing (see _TORCH_SETUP)
 
     def site(**changes):
-        data = {"extends": "perlmutter", "venv_root": str(tmp_path / "venvs"), "setup": [_TORCH_SETUP], **changes}
+        # the test cluster's GPUs are gres stand-ins and its torch this CPU build: no driver to fit
+        data = {"extends": "perlmutter", "venv_root": str(tmp_path / "venvs"), "setup": [_TORCH_SETUP],
+                "gpu_stack": {"driver_cuda": None, "cuda_variant": None, "nccl": None}, **changes}
         (Path(os.environ["HPCRL_SITES_DIR"]) / "pmdoc.yaml").write_text(yaml.safe_dump(data))
         return ["--site", "pmdoc", "--account", os.environ.get("HPCRL_SLURM_ACCOUNT", "m1234_g")]
 

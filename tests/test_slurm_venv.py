@@ -71,6 +71,9 @@ def login(home, pm_cluster, software, tmp_path, monkeypatch):
         "venv_root": str(software / "{project}" / "hpcrl" / "venvs"),
         "signal_lead_s": 30, "exit_margin_s": 8, "kill_grace_s": 5,
         "setup": [f'export PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{site_packages()}"'],
+        # the test cluster's GPUs are gres stand-ins and its torch is this CPU build: no driver to
+        # fit, no CUDA build to install, no GPU for the segment's check to find
+        "gpu_stack": {"driver_cuda": None, "cuda_variant": None, "nccl": None},
     }
     (Path(os.environ["HPCRL_SITES_DIR"]) / "pmvenv.yaml").write_text(yaml.safe_dump(site))
     names: list[str] = []

@@ -90,6 +90,8 @@ trainer_py="$venv/bin/python"
 
 # The venv's torch must see every GPU this job was given: a build for a newer CUDA than the
 # driver's sees none (the trainer would run on the CPU or crash at its first CUDA call). Seconds.
+# HPCRL_GPUS_REQUIRED: the built-in trainer, too, refuses to fall back to the CPU.
+export HPCRL_GPUS_REQUIRED=1
 hpcrl_gpu=$("$trainer_py" -m hpcrl.rl.gpucheck 2>&1)
 hpcrl_gpu_rc=$?
 hpcrl_gpu=$(printf '%s\n' "$hpcrl_gpu" | tail -n 1)  # the verdict; torch's own warnings come before it
