@@ -145,7 +145,15 @@ class StopFlag:
         """True when a signal came, or the next step plus a save would overrun the deadline."""
         if self.poll_stop_file() or self.term:
             return True
-        return self.ctx.seconds_left() <= self.margin_s + next_step_s + save_s
+        return not next_save_fits(self.ctx.seconds_left(), next_step_s, save_s, self.margin_s)
+
+
+def next_save_fits(seconds_left: float, work_s: float, save_s: float = 0.0, margin_s: float = 0.0) -> bool:
+    """The walltime rule, for every trainer: the work up to the next save, the save itself and a
+    margin (the stop, a poll interval) must all end before the deadline. StopFlag asks it between
+    the built-in trainer's steps; the job-side supervisor of a foreign trainer (hpcrl/job) asks it
+    after each save it sees, with the work sized from the steps it measured."""
+    return seconds_left > work_s + save_s + margin_s
 
 
 def exit_code_for_launcher(ctx: Context, code: int) -> int:

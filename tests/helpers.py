@@ -210,3 +210,17 @@ def use_fake_gcloud(monkeypatch, root: Path) -> tuple[Path, Path]:
     monkeypatch.setenv("FAKE_GCLOUD_DIR", str(fake))
     monkeypatch.setenv("FAKE_GCS_ROOT", str(gcs))
     return fake, gcs
+
+
+def job_launcher(tmp_path: Path, module: str) -> tuple[list[str], dict]:
+    """How the segment script runs a job-side launcher: `python -m hpcrl.job.X` with PYTHONPATH at
+    a lib/ snapshot of hpcrl (copied as launch.py copies it). -s -S: no site-packages, so the
+    launcher has only the stdlib and the snapshot, as in a trainer venv without hpcrl."""
+    import shutil
+
+    lib = tmp_path / "lib"
+    if not lib.exists():
+        pkg = Path(__file__).resolve().parents[1] / "hpcrl"
+        shutil.copytree(pkg, lib / "hpcrl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    return [sys.executable, "-s", "-S", "-m", module], {**env, "PYTHONPATH": str(lib)}

@@ -183,7 +183,7 @@ def test_two_node_perlmutter_render_sets_up_nccl_and_one_node_does_not(tmp_path)
     assert block.splitlines()[1:] == ["module load nccl", "export FI_CXI_DISABLE_HOST_REGISTER=1",
                                       "export FI_MR_CACHE_MONITOR=userfaultfd", "export NCCL_CROSS_NIC=1",
                                       "export NCCL_NET_GDR_LEVEL=PHB", "export NCCL_SOCKET_IFNAME=hsn"], block
-    assert two.index("module load nccl") < two.index("/verl/launch.py")  # before Ray and the trainer start
+    assert two.index("module load nccl") < two.index("-m hpcrl.job.verl")  # before Ray and the trainer start
     (tmp_path / "one").mkdir()
     one = render_recipe(tmp_path / "one", "tinyzero-countdown-grpo", *PERLMUTTER, "--name", "n1", PY)
     assert "NCCL_SOCKET_IFNAME" not in one and "module load nccl" not in one

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from hpcrl.errors import SpecError
-from hpcrl.trainers import maxtext_launch
+from hpcrl.job import maxtext as maxtext_launch
 from hpcrl.trainers.maxtext import (MAXTEXT_VERSION, MaxTextTrainer, check_user_overrides, config_keys,
                                     maxtext_checkpoint_step)
 
-from helpers import adapter_context
+from helpers import adapter_context, job_launcher
 
 DATA = Path(__file__).resolve().parent / "data" / "maxtext" / MAXTEXT_VERSION
 RECIPES = Path(__file__).resolve().parents[1] / "hpcrl" / "recipes"
@@ -31,12 +31,12 @@ def ctx_for(args, chips=4, nodes=1, run_dir="/home/u/hpcrl/runs/r-1", bucket=Non
 
 
 def rendered_pairs(argv):
-    # python3 RUN/maxtext/launch.py --python python3 ... -- key=value ...: the launcher runs
-    # `python3 -m MODULE key=value ...` (no config path: MaxText maps this module to post_train/rl.yml)
-    assert argv[:2] == ["python3", "/home/u/hpcrl/runs/r-1/maxtext/launch.py"] and "--" in argv, argv
-    opts = maxtext_launch.parse_args(argv[2:])
-    assert maxtext_launch.main([*argv[2:argv.index("--")], "--dry-run", "--", *opts.keys]) == 0
-    return dict(a.split("=", 1) for a in opts.keys)
+    # python3 -m hpcrl.job.maxtext --python python3 ... -- key=value ...: the launcher (from the run's
+    # lib/) runs `python3 -m MODULE key=value ...` (no config path: MaxText maps this module to post_train/rl.yml)
+    assert argv[:3] == ["python3", "-m", "hpcrl.job.maxtext"] and "--" in argv, argv
+    opts = maxtext_launch.parse_args(argv[3:])
+    assert maxtext_launch.main([*argv[3:argv.index("--")], "--dry-run", "--", *opts.args]) == 0
+    return dict(a.split("=", 1) for a in opts.args)
 
 
 @pytest.mark.parametrize("name, loss_algo", [("maxtext-llama3.1-8b-grpo", "grpo"), ("maxtext-llama3.1-8b-gspo", "gspo-token")])
@@ -148,18 +148,10 @@ def test_launcher_argv_carries_cadence_layout_and_eval_choice():
     trainer, ctx = ctx_for({"load_parameters_path": "x", "checkpoint_period": 7, "num_batches": 30,
                             "eval_every_segment": True})
     argv = trainer.command(ctx)
-    opts = maxtext_launch.parse_args(argv[2:])
+    opts = maxtext_launch.parse_args(argv[3:])
     assert opts.ckpt_root == "/home/u/hpcrl/runs/r-1/maxtext/r-1/checkpoints/actor"
     assert (opts.period, opts.total_steps, opts.eval) == (7, 30, "every")
-    assert trainer.files(ctx)["maxtext/launch.py"] == Path(maxtext_launch.__file__).read_text()
-
-
-def test_launcher_protocol_names_match_hpcrl():
-    from hpcrl import protocol
-
-    assert maxtext_launch.EXIT_CONTINUE == protocol.EXIT_CONTINUE and maxtext_launch.ERROR_FILE == protocol.ERROR_FILE
-    assert (maxtext_launch.ENV_RUN_DIR, maxtext_launch.ENV_SEGMENT, maxtext_launch.ENV_DEADLINE) == (
-        protocol.ENV_RUN_DIR, protocol.ENV_SEGMENT, protocol.ENV_DEADLINE)
+    assert not any(name.endswith(".py") for name in trainer.files(ctx))  # the launcher: hpcrl.job.maxtext, in lib/
 
 
 def test_launcher_skips_pre_training_eval_after_the_first_segment():
@@ -279,10 +271,10 @@ def test_launcher_never_kills_during_a_save_and_exits_85_after_it(tmp_path):
     stand_in = tmp_path / "maxtext-stand-in"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(0o755)
-    launcher = Path(maxtext_launch.__file__)
-    proc = subprocess.Popen([sys.executable, str(launcher), "--python", str(stand_in), "--ckpt-root", str(ckpt),
+    launcher, env = job_launcher(tmp_path, "hpcrl.job.maxtext")
+    proc = subprocess.Popen([*launcher, "--python", str(stand_in), "--ckpt-root", str(ckpt),
                              "--period", "2", "--total-steps", "10", "--", "run_name=r"],
-                            env={**os.environ, "CKPT": str(ckpt), "HPCRL_RUN_DIR": str(run_dir), "HPCRL_SEGMENT": "1"})
+                            env={**env, "CKPT": str(ckpt), "HPCRL_RUN_DIR": str(run_dir), "HPCRL_SEGMENT": "1"})
     try:
         wait_until(lambda: (ckpt / "ready").exists(), 60, "the stand-in's save to start")
         proc.send_signal(15)  # TERM during the save
@@ -300,15 +292,15 @@ def test_launcher_never_kills_during_a_save_and_exits_85_after_it(tmp_path):
     assert (run_dir / "maxtext-saves.jsonl").read_text().count('"step": 2') == 1
 
 
-def test_launcher_is_standalone_stdlib(tmp_path):
-    # it runs in the job's interpreter (the TPU VM's MaxText venv), which has no hpcrl: -I -S
-    # (no site-packages, no PYTHONPATH, not the checkout) must be enough
+def test_launcher_runs_from_the_lib_snapshot_on_the_stdlib(tmp_path):
+    # it runs in the job's interpreter (the TPU VM's MaxText venv), which has no hpcrl: the stdlib
+    # (no site-packages) and the run's lib/ snapshot on PYTHONPATH must be enough
     import subprocess
-    import sys
 
-    out = subprocess.run([sys.executable, "-I", "-S", Path(maxtext_launch.__file__), "--python", "p", "--ckpt-root",
+    launcher, env = job_launcher(tmp_path, "hpcrl.job.maxtext")
+    out = subprocess.run([*launcher, "--python", "p", "--ckpt-root",
                           str(tmp_path), "--period", "2", "--dry-run", "--", "run_name=r"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["argv"] == ["p", "-m", maxtext_launch.MODULE, "run_name=r"]
 

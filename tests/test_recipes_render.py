@@ -25,7 +25,7 @@ def render_recipe(tmp_path: Path, recipe: str, *args: str) -> str:
 
 
 def verl_command(text: str) -> str:
-    return next(ln.strip() for ln in text.splitlines() if "/verl/launch.py" in ln)
+    return next(ln.strip() for ln in text.splitlines() if "-m hpcrl.job.verl" in ln)
 
 
 @pytest.mark.parametrize("recipe", VERL_RECIPES)
@@ -63,7 +63,7 @@ def test_verl_multinode_script_starts_ray_head_and_workers_through_srun(tmp_path
     assert 'export RAY_ADDRESS="$hpcrl_head_ip:"6379' in text
     assert "trap hpcrl_ray_stop EXIT" in text, "Ray must not outlive the segment"
     # Ray is up before the driver starts, and the driver is told the node count, not Ray's CPUs
-    assert text.index("Ray cluster up") < text.index("/verl/launch.py")
+    assert text.index("Ray cluster up") < text.index("-m hpcrl.job.verl")
     cmd = verl_command(text)
     assert " trainer.nnodes=2 " in cmd and "ray_kwargs.ray_init.num_cpus" not in cmd
     check_golden("verl-multinode-perlmutter.sh", text)
@@ -113,7 +113,7 @@ def test_cpu_recipes_stay_one_process_on_the_local_site(tmp_path, recipe):
 def test_maxtext_recipe_renders_on_tpu(tmp_path, recipe):
     text = render_recipe(tmp_path, recipe, *TPU, "--name", recipe)
     bash_n(text)
-    assert "maxtext/launch.py" in text and "chips_per_vm=4" in text  # the launcher runs train_rl
+    assert "-m hpcrl.job.maxtext" in text and "chips_per_vm=4" in text  # the launcher runs train_rl
     assert ("loss_algo=gspo-token" in text) == recipe.endswith("gspo")
     assert "srun" not in text and "#SBATCH" not in text
     check_golden(f"recipe-{recipe}-tpu-v5p-8.sh", text)

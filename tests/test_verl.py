@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hpcrl import protocol
 from hpcrl.errors import SpecError
-from hpcrl.trainers import verl_launch
+from hpcrl.job import verl as verl_launch
 from hpcrl.trainers.verl import VERL_VERSION, VerlTrainer, compose, ray_env, ray_bootstrap, verl_checkpoint_step, verl_config_dir
 
 from helpers import adapter_context, protocol_env
@@ -49,11 +50,12 @@ def recipe(name):
 def verl_overrides(trainer, ctx, segment=2, deadline=1_800_000_000, wandb=False):
     """Exactly what verl receives in segment `segment`: the static argv after '--', then the launcher's."""
     argv = trainer.command(ctx)
-    opts = verl_launch.parse_args(argv[2:])
+    assert argv[1:3] == ["-m", "hpcrl.job.verl"], argv  # run from the run's lib/ snapshot of hpcrl
+    opts = verl_launch.parse_args(argv[3:])
     env = {"HPCRL_SEGMENT": str(segment), "HPCRL_DEADLINE": str(deadline), "SCRATCH": "/pscratch/sd/u/user"}
     if wandb:
         env["WANDB_API_KEY"] = "x"
-    return verl_launch.expand_paths(opts.overrides, env) + verl_launch.runtime_overrides(opts, env, ctx.run_dir, [])
+    return verl_launch.expand_paths(opts.args, env) + verl_launch.runtime_overrides(opts, env, ctx.run_dir, [])
 
 
 def base_args(**kw):
@@ -169,11 +171,11 @@ def test_requirements_pin_verl_and_its_torch():
     assert reqs[0] == "verl[vllm]==0.9.1" and "torch==2.11.0" in reqs and "vllm==0.24.0" in reqs
 
 
-def test_files_ship_launcher_and_reward(tmp_path):
+def test_files_ship_the_reward_and_the_launcher_runs_from_lib(tmp_path):
     _, ctx = ctx_for(base_args(), run_dir=tmp_path)
     files = VerlTrainer().files(ctx)
     # the code reward imports the sandbox, and the sandbox its judge and cpus, each from beside itself
-    assert set(files) == {"verl/launch.py", "verl/rewards.py", "verl/sandbox.py", "verl/judge.py", "verl/cpus.py",
+    assert set(files) == {"verl/rewards.py", "verl/sandbox.py", "verl/judge.py", "verl/cpus.py",
                           "verl/cgroups.py", "verl/sandbox_harness.py", "verl/sandbox_server.py"}
     assert "def compute_score(" in files["verl/rewards.py"]
 
@@ -309,24 +311,9 @@ def test_prune_keeps_newest_complete_and_drops_torn(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_20", "global_step_30"]
 
 
-def test_the_job_side_launcher_speaks_the_protocol_names():
-    """verl/launch.py cannot import hpcrl in the job: its copies of the contract's names agree."""
-    from hpcrl import protocol
-
-    assert verl_launch.EXIT_CONTINUE == protocol.EXIT_CONTINUE
-    assert verl_launch.ERROR_FILE == protocol.ERROR_FILE
-    assert (verl_launch.ENV_RUN_DIR, verl_launch.ENV_SEGMENT, verl_launch.ENV_DEADLINE, verl_launch.ENV_METRICS) == \
-        (protocol.ENV_RUN_DIR, protocol.ENV_SEGMENT, protocol.ENV_DEADLINE, protocol.ENV_METRICS)
-    assert "import hpcrl" not in Path(verl_launch.__file__).read_text() and "from hpcrl" not in Path(verl_launch.__file__).read_text()
-
-
-def test_an_end_without_its_last_steps_saved_is_a_failure_with_its_reason(tmp_path):
-    from hpcrl import protocol
-
-    assert verl_launch.unsaved_end(16, 16, tmp_path) == 0 and verl_launch.unsaved_end(None, None, tmp_path) == 0
-    assert not (tmp_path / protocol.ERROR_FILE).exists()
-    assert verl_launch.unsaved_end(16, 15, tmp_path) == verl_launch.EXIT_UNSAVED_END
-    reason = protocol.take_error(tmp_path)
+def test_an_end_without_its_last_steps_saved_is_a_failure_with_its_reason():
+    assert verl_launch.unsaved_reason(16, 16) is None and verl_launch.unsaved_reason(None, None) is None
+    reason = verl_launch.unsaved_reason(16, 15)
     assert reason.startswith("verl ended at step 16 but its newest checkpoint is step 15: the last 1 steps are not saved")
 
 
@@ -343,9 +330,8 @@ def run_launcher(tmp_path, exe, deadline_in_s, metrics_wait_s=30, segment=1):
     ckpt.mkdir(exist_ok=True)
     env = {**os.environ, **protocol_env(tmp_path, segment=segment, deadline=time.time() + deadline_in_s),
            "HPCRL_METRICS": str(tmp_path / "m.jsonl")}
-    code = ("import sys; sys.path.insert(0, %r); import verl_launch as v; v.POLL_S = 0.2; v.STOP_GRACE_S = 5; "
-            "v.METRICS_WAIT_S = %r; sys.exit(v.main(sys.argv[1:]))") % (str(Path(verl_launch.__file__).parent),
-                                                                      metrics_wait_s)
+    code = ("import sys; from hpcrl.job import verl as v; S = v.VerlSupervisor; S.poll_s = 0.2; S.stop_grace_s = 5; "
+            "S.metrics_wait_s = %r; sys.exit(v.main(sys.argv[1:]))") % (metrics_wait_s,)
     argv = [sys.executable, "-c", code, "--python", str(exe), "--ckpt-dir", str(ckpt), "--save-freq", "1",
             "--save-time-s", "1", "--", "data.train_files=/x"]
     return subprocess.run(argv, env=env, timeout=60, capture_output=True, text=True)
@@ -365,7 +351,7 @@ mkdir -p "$C/global_step_1"; echo 1 > "$C/latest_checkpointed_iteration.txt"
 sleep 50
 """
     result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35)
-    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    assert result.returncode == protocol.EXIT_CONTINUE, result.stderr
     assert "stopping verl for continuation" in result.stderr
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])["reward"] == 0.5
 
@@ -381,7 +367,7 @@ echo '{{"step": 2, "data": {{"timing_s/step": 30.0, "critic/score/mean": 0.5}}}}
 sleep 50
 """
     result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35)
-    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    assert result.returncode == protocol.EXIT_CONTINUE, result.stderr
     assert "verl saved step 2; the next save would not fit" in result.stderr
     assert [json.loads(x)["step"] for x in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
 
@@ -394,7 +380,7 @@ sleep 50
 """
     t0 = time.monotonic()
     result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35, metrics_wait_s=1)
-    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    assert result.returncode == protocol.EXIT_CONTINUE, result.stderr
     assert "(its metrics for step 2 did not come)" in result.stderr
     assert time.monotonic() - t0 < 30
 
@@ -477,7 +463,7 @@ mkdir -p "$C/global_step_3"; echo 3 > "$C/latest_checkpointed_iteration.txt"
     (tmp_path / "actor.sh").write_text(actor)
     body = f"setsid bash {shlex.quote(str(tmp_path / 'actor.sh'))} &\nsleep 50\n"
     result = run_launcher(tmp_path, fake_verl(tmp_path, body), 35)
-    assert result.returncode == verl_launch.EXIT_CONTINUE, result.stderr
+    assert result.returncode == protocol.EXIT_CONTINUE, result.stderr
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2", result.stderr
     assert not (ckpt / "global_step_3").exists() and (ckpt / "global_step_2").is_dir()
@@ -493,10 +479,11 @@ mkdir -p "$C/global_step_3"; echo 3 > "$C/latest_checkpointed_iteration.txt"
 
 def test_a_term_before_verl_starts_is_not_lost(tmp_path):
     marker = tmp_path / "verl-started"
-    sup = verl_launch.Supervisor(opts(), ["touch", str(marker)], dict(os.environ), tmp_path, [])
+    sup = verl_launch.VerlSupervisor(opts(), dict(os.environ), tmp_path)
+    sup.argv = ["touch", str(marker)]
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
     try:
-        sup.forward(signal.SIGTERM, None)  # the batch shell's TERM, before verl exists
+        sup._on_signal(signal.SIGTERM, None)  # the batch shell's TERM, before verl exists
         assert sup.run() == 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, old[0])

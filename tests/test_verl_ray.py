@@ -4,7 +4,7 @@ Two nodes (`ray_cluster: auto` would start it too): a head on the first, a worke
 joins once Ray's API reports the head alive, the driver once it reports both. Only verl itself is replaced: a stand-in package `verl` whose
 `verl.trainer.main_ppo` does what verl's driver does first -- ray.init() on the cluster named by
 RAY_ADDRESS -- then runs one task there and reports what it saw. It is put on the job's PYTHONPATH
-by a test site's set-up line, so the real adapter, its verl/launch.py and the real `ray start`
+by a test site's set-up line, so the real adapter, its job-side launcher (hpcrl.job.verl) and the real `ray start`
 all run unchanged.
 """
 
@@ -130,7 +130,7 @@ def test_ray_bootstrap_starts_a_real_cluster_the_driver_joins_and_stops_it(ray_s
     # both nodes: the worker joined once Ray reported the head alive, the driver once Ray reported 2
     assert "Ray cluster up: 2 node(s)" in log, log
     assert "standin driver: 2 alive Ray node(s); task ran on" in log, log
-    assert "deadline override present" in log, "verl/launch.py hands the deadline to Ray's workers"
+    assert "deadline override present" in log, "hpcrl.job.verl hands the deadline to Ray's workers"
     assert "hpcrl: Ray stopped" in log, log
     assert "forcing job termination" not in log, "Ray stopped itself on TERM; srun did not have to kill it"
     assert log.index("Ray cluster up") < log.index("standin driver") < log.index("hpcrl: Ray stopped")

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from helpers import ROOT
-from hpcrl.trainers import verl_launch
+from hpcrl.job import verl as verl_launch
 from hpcrl.trainers.verl import VerlTrainer
 from test_verl_tier import verl_python  # noqa: F401 (fixture)
 

@@ -1,8 +1,8 @@
 """MaxText RL adapter (the seed tutorial: GRPO / GSPO on a single-host TPU VM).
 
-What runs in the job (maxtext_launch.py, copied into the run directory as maxtext/launch.py):
+What runs in the job (hpcrl/job/maxtext.py, from the run's lib/ snapshot of hpcrl):
 
-    python RUN/maxtext/launch.py --python PY --ckpt-root <base>/<run>/checkpoints/actor \
+    PY -m hpcrl.job.maxtext --python PY --ckpt-root <base>/<run>/checkpoints/actor \
         --period N --total-steps T ... -- key=value ...
 
 and the launcher runs `python -m maxtext.trainers.post_train.rl.train_rl key=value ...` for the
@@ -34,7 +34,7 @@ from .base import Trainer, TrainerContext, check_override_keys
 
 MAXTEXT_VERSION = "0.2.5"
 MODULE = "maxtext.trainers.post_train.rl.train_rl"
-LAUNCH_FILE = "maxtext/launch.py"
+LAUNCH_MODULE = "hpcrl.job.maxtext"  # the job-side launcher, run from the run's lib/
 # Tunix's checkpoint manager keeps the policy under this sub-directory of MaxText's checkpoint_dir
 ACTOR_SUBDIR = "actor"
 # rl.yml's defaults of the keys that fix the number of steps (types.py: train_steps =
@@ -103,7 +103,7 @@ class MaxTextTrainer(Trainer):
     python_min = (3, 12)  # maxtext[tpu-post-train] needs Python >= 3.12 on the VM
     name = "maxtext"
     package, package_version = "maxtext", MAXTEXT_VERSION
-    obeys_protocol = True  # through maxtext/launch.py: exit 0 complete, 85 continue
+    obeys_protocol = True  # through hpcrl.job.maxtext: exit 0 complete, 85 continue
     schema = SCHEMA
     ranks_hint = "JAX on every chip of the TPU VM, the site's chips_per_vm"
 
@@ -155,8 +155,7 @@ class MaxTextTrainer(Trainer):
         return out
 
     def files(self, ctx: TrainerContext) -> dict[str, str]:
-        return {LAUNCH_FILE: (Path(__file__).parent / "maxtext_launch.py").read_text(encoding="utf-8"),
-                INSTALL_FILE: venv_install_script(),
+        return {INSTALL_FILE: venv_install_script(),
                 f"maxtext/{OVERRIDES_FILE}": (DEPS_DIR / OVERRIDES_FILE).read_text(encoding="utf-8")}
 
     def venv_installer(self, ctx: TrainerContext) -> str | None:
@@ -166,7 +165,7 @@ class MaxTextTrainer(Trainer):
         a = ctx.args
         keys = self.keys(ctx)
         pairs = [f"{k}={v}" for k, v in keys.items()]
-        launch = [ctx.python, str(Path(ctx.run_dir) / LAUNCH_FILE), "--python", ctx.python,
+        launch = [ctx.python, "-m", LAUNCH_MODULE, "--python", ctx.python,
                   "--ckpt-root", f"{self.checkpoint_root(ctx)}/{ACTOR_SUBDIR}", "--period", str(keys["checkpoint_period"]),
                   "--total-steps", str(self.total_steps(a) or 0), "--save-time-s", f"{float(a['save_time_s']):g}",
                   "--eval", "every" if a["eval_every_segment"] else "first"]

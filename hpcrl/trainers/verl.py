@@ -1,8 +1,8 @@
 """verl adapter (TinyZero's stack): Hydra overrides for `verl.trainer.main_ppo`, Ray on Slurm, resume.
 
-What runs in the job (see verl_launch.py, copied into the run directory as verl/launch.py):
+What runs in the job (hpcrl/job/verl.py, from the run's lib/ snapshot of hpcrl):
 
-    python RUN/verl/launch.py --python PY --ckpt-dir CKPT ... -- <static Hydra overrides>
+    PY -m hpcrl.job.verl --python PY --ckpt-dir CKPT ... -- <static Hydra overrides>
 
 The static overrides are everything known at submit time and are what `hpcrl render` shows.
 The launcher adds the per-segment ones (val_before_train, logger, save_freq, the deadline) and
@@ -47,7 +47,7 @@ ATTENTION = {
     "flash_attention_2": {},
 }
 TRACKER = "latest_checkpointed_iteration.txt"
-LAUNCH_FILE = "verl/launch.py"
+LAUNCH_MODULE = "hpcrl.job.verl"  # the job-side launcher, run from the run's lib/
 REWARD_FILE = "verl/rewards.py"
 SANDBOX_FILE = "verl/sandbox.py"  # rewards.py's code reward imports it from beside itself (verl loads by path)
 SANDBOX_SIBLINGS = ("judge", "cpus", "cgroups", "sandbox_harness", "sandbox_server")  # sandbox.py reads these from beside itself
@@ -152,7 +152,7 @@ SCHEMA = Schema("verl", [
 class VerlTrainer(Trainer):
     name = "verl"
     uses_gpus = True  # on a GPU site each segment first checks its torch sees them (hpcrl/rl/gpucheck.py)
-    obeys_protocol = True  # through verl/launch.py: exit 0 complete, 85 continue
+    obeys_protocol = True  # through hpcrl.job.verl: exit 0 complete, 85 continue
     schema = SCHEMA
     package, package_version = "verl", VERL_VERSION
     ranks_hint = "Ray workers on resources.gpus_per_node GPUs of each of resources.nodes nodes"
@@ -203,7 +203,7 @@ class VerlTrainer(Trainer):
 
     def files(self, ctx: TrainerContext) -> dict[str, str]:
         here = Path(__file__).resolve().parent
-        out = {LAUNCH_FILE: (here / "verl_launch.py").read_text(encoding="utf-8")}
+        out = {}
         if ctx.args["reward"] == "hpcrl":
             out[REWARD_FILE] = (here.parent / "rl" / "rewards.py").read_text(encoding="utf-8")
             out[SANDBOX_FILE] = (here.parent / "rl" / "sandbox.py").read_text(encoding="utf-8")
@@ -221,7 +221,7 @@ class VerlTrainer(Trainer):
 
     def command(self, ctx: TrainerContext) -> list[str]:
         a = ctx.args
-        launch = [ctx.python, str(Path(ctx.run_dir) / LAUNCH_FILE), "--python", ctx.python,
+        launch = [ctx.python, "-m", LAUNCH_MODULE, "--python", ctx.python,
                   "--ckpt-dir", str(ctx.ckpt_dir), "--save-mode", a["save_mode"],
                   "--save-freq", str(a["save_freq"]), "--save-every-s", str(a["save_every_s"]),
                   "--save-time-s", str(a["save_time_s"]), "--logger", a["logger"],

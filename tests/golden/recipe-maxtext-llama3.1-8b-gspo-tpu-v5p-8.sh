@@ -96,7 +96,7 @@ trap 'if exited; then late USR1 "nothing to checkpoint"; else echo "hpcrl: USR1:
 trap 'if exited; then late TERM "nothing to stop"; else echo "hpcrl: TERM: stop now"; forward TERM; fi' TERM
 (
   trap : USR1 TERM INT
-  "$trainer_py" /var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo/maxtext/launch.py --python "$trainer_py" --ckpt-root gs://hpcrl-demo-bucket/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://hpcrl-demo-bucket/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://hpcrl-demo-bucket/llama3.1-8b-maxtext/0/items num_batches=3738
+  "$trainer_py" -m hpcrl.job.maxtext --python "$trainer_py" --ckpt-root gs://hpcrl-demo-bucket/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://hpcrl-demo-bucket/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://hpcrl-demo-bucket/llama3.1-8b-maxtext/0/items num_batches=3738
   echo "$?" > "$rc_file"
 ) &
 runner=$!

@@ -1,9 +1,9 @@
 """Job-side launcher for verl: decides the run-time overrides, runs verl, stops it after its last save.
 
-Stdlib only, and standalone on purpose: the adapter copies this file into the run directory
-(`verl/launch.py`), so the job needs neither hpcrl in its venv nor a shell trick to use values
+Runs in the job as `python -m hpcrl.job.verl` (stdlib only, from the run's lib/ snapshot of
+hpcrl, which the segment script puts on PYTHONPATH), so the job needs no shell trick to use values
 known only when the segment starts (segment number, deadline, WANDB_API_KEY). The argv the
-batch script shows is the whole static verl command line; this script only appends:
+batch script shows is the whole static verl command line; this module only appends:
 
     trainer.val_before_train=False      on every segment after the first (verl reruns it on
                                         every restart otherwise)
@@ -17,30 +17,27 @@ batch script shows is the whole static verl command line; this script only appen
                                         (the driver's env does not, when the Ray cluster was
                                         started before it). Never a secret: the argv is logged.
 
-verl handles no signal, so this script is what talks the walltime protocol: verl exiting 0 by
-itself means training is complete (exit 0); once verl has saved a checkpoint and another step
-plus a save would not fit before the deadline, the script stops verl and exits EXIT_CONTINUE.
+verl handles no signal, so this module is what talks the walltime protocol, through the one
+supervisor of hpcrl/job/supervisor.py: verl exiting 0 by itself means training is complete
+(exit 0); once verl has saved a checkpoint and another step plus a save would not fit before the
+deadline, it stops verl and exits EXIT_CONTINUE. What is verl's alone: its tracker file, its
+FileLogger metrics, its ESI deadline window, its Ray actors outliving the driver.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-# The walltime protocol's names (hpcrl/protocol.py), repeated: this file runs in the job's own
-# interpreter, which may not have hpcrl; tests/test_verl.py keeps them equal.
-EXIT_CONTINUE = 85
-EXIT_UNSAVED_END = 1  # a failure: the run must not read COMPLETED without its last steps saved
-ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SEGMENT", "HPCRL_DEADLINE", "HPCRL_METRICS"
-ERROR_FILE = "trainer_error.txt"  # protocol.ERROR_FILE (this file is standalone: tests check they agree)
+from hpcrl.job.supervisor import Supervisor, deadline_of, log, segment_of
+from hpcrl.protocol import ENV_METRICS, next_save_fits
+
 TRACKER = "latest_checkpointed_iteration.txt"
 ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 ESI_SAVE_S = 60  # verl's should_save_ckpt_esi(save_ckpt_duration=60) default
@@ -68,36 +65,7 @@ METRIC_KEYS = {
 }
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="verl/launch.py", description=__doc__.splitlines()[0])
-    p.add_argument("--python", required=True, help="interpreter that runs verl.trainer.main_ppo")
-    p.add_argument("--ckpt-dir", required=True, help="trainer.default_local_dir")
-    p.add_argument("--save-mode", choices=("deadline", "periodic"), default="deadline")
-    p.add_argument("--save-freq", type=int, required=True, help="steps between regular saves")
-    p.add_argument("--save-every-s", type=float, default=0.0, help="periodic: target seconds between saves")
-    p.add_argument("--save-time-s", type=float, default=300.0, help="what one save may take")
-    p.add_argument("--logger", default="auto", help="auto | console | wandb")
-    p.add_argument("--keep", type=int, default=0, help="checkpoints to keep across segments (0: all)")
-    p.add_argument("--dry-run", action="store_true", help="print the verl argv and env, run nothing")
-    p.add_argument("overrides", nargs="*", help="the static Hydra overrides (after --)")
-    return p.parse_args(argv)
-
-
 # ------------------------------------------------------------------ pure decisions
-
-
-def segment_of(env) -> int:
-    try:
-        return max(1, int(env.get(ENV_SEGMENT) or 1))
-    except ValueError:
-        return 1
-
-
-def deadline_of(env) -> float | None:
-    try:
-        return float(env[ENV_DEADLINE])
-    except (KeyError, ValueError):
-        return None
 
 
 def metrics_path(run_dir: Path, segment: int) -> Path:
@@ -216,8 +184,7 @@ def should_stop(opts, seconds_left: float, times: list[float]) -> bool:
     if not times:
         return False  # no step measured yet: nothing to size the decision with
     steps_to_next_save = 1 if opts.save_mode == "deadline" else max(1, opts.save_freq)
-    need_s = steps_to_next_save * max(times) + opts.save_time_s + STOP_MARGIN_S
-    return seconds_left < need_s
+    return not next_save_fits(seconds_left, steps_to_next_save * max(times), opts.save_time_s, STOP_MARGIN_S)
 
 
 def read_tracker(ckpt_dir: Path) -> int | None:
@@ -264,24 +231,16 @@ def prune_checkpoints(ckpt_dir: Path, keep: int) -> list[Path]:
     return doomed
 
 
-def unsaved_end(trained: int | None, saved: int | None, run_dir: Path | None = None) -> int:
+def unsaved_reason(trained: int | None, saved: int | None) -> str | None:
     """verl exited 0: complete only if its last trained step is in a checkpoint. When
     trainer.total_training_steps exceeds epochs x batches verl's loop ends by running out of
-    epochs, skips its is_last_step save and still exits 0: the end of training would be lost.
-    The reason goes to the log and, for `status`, to RUN_DIR/ERROR_FILE (hpcrl/protocol.py)."""
+    epochs, skips its is_last_step save and still exits 0: the end of training would be lost."""
     if trained is None or (saved is not None and saved >= trained):
-        return 0
-    reason = (f"verl ended at step {trained} but its newest checkpoint is step {saved}: the last "
-              f"{trained - (saved or 0)} steps are not saved (its loop ran out of epochs before "
-              f"total_training_steps; set args.total_training_steps to at most epochs x batches per epoch, "
-              f"or leave it null)")
-    print(f"hpcrl: {reason}", file=sys.stderr, flush=True)
-    if run_dir is not None:
-        try:
-            (Path(run_dir) / ERROR_FILE).write_text(reason + "\n", encoding="utf-8")
-        except OSError:
-            pass
-    return EXIT_UNSAVED_END
+        return None
+    return (f"verl ended at step {trained} but its newest checkpoint is step {saved}: the last "
+            f"{trained - (saved or 0)} steps are not saved (its loop ran out of epochs before "
+            f"total_training_steps; set args.total_training_steps to at most epochs x batches per epoch, "
+            f"or leave it null)")
 
 
 def hpcrl_record(rec: dict, segment: int | None = None, now: float | None = None) -> dict:
@@ -306,42 +265,65 @@ def hpcrl_record(rec: dict, segment: int | None = None, now: float | None = None
 # ------------------------------------------------------------------ process supervision
 
 
-class Supervisor:
-    """Runs verl in its own process group and watches its metrics and checkpoints."""
+class VerlSupervisor(Supervisor):
+    """verl's knowledge: its command line, its tracker and FileLogger, its deadline window (ESI),
+    its Ray actors that outlive the driver. TERM goes to verl at once (it saves nothing on TERM,
+    but a walltime or preemption wants a prompt exit); USR1 is not needed: verl saves inside its
+    deadline window by itself, and this supervisor stops it after that save."""
 
-    def __init__(self, opts, argv, env, run_dir: Path, times: list[float]):
-        self.opts, self.argv, self.env, self.run_dir = opts, argv, env, run_dir
-        self.times = list(times)
-        self.segment = segment_of(env)
-        self.metrics_file = metrics_path(run_dir, self.segment)
+    name = "verl"
+    poll_s = POLL_S
+    stop_grace_s = STOP_GRACE_S
+    metrics_wait_s = METRICS_WAIT_S
+    start_after_term = False
+
+    @classmethod
+    def add_arguments(cls, p) -> None:
+        p.add_argument("--ckpt-dir", required=True, help="trainer.default_local_dir")
+        p.add_argument("--save-mode", choices=("deadline", "periodic"), default="deadline")
+        p.add_argument("--save-freq", type=int, required=True, help="steps between regular saves")
+        p.add_argument("--save-every-s", type=float, default=0.0, help="periodic: target seconds between saves")
+        p.add_argument("--save-time-s", type=float, default=300.0, help="what one save may take")
+        p.add_argument("--logger", default="auto", help="auto | console | wandb")
+        p.add_argument("--keep", type=int, default=0, help="checkpoints to keep across segments (0: all)")
+
+    @classmethod
+    def default_run_dir(cls, opts) -> Path:
+        return Path(opts.ckpt_dir).parent
+
+    def setup(self) -> None:
+        self.ckpt_dir = Path(self.opts.ckpt_dir)
+        self.times = past_step_times(self.run_dir, self.segment)  # earlier segments' steps
+        self.metrics_file = metrics_path(self.run_dir, self.segment)
         self.offset = 0
-        self.last_ckpt = read_tracker(Path(opts.ckpt_dir))
-        self.proc = None
-        self.term = False  # SIGTERM came (maybe before verl started)
-        self.stopped_for_continue = False
+        self.last_ckpt = None  # the tracker's step when last read (prepare reads it)
         self.stop_after = None  # (saved step, when decided): stop once its metrics are logged
         self.last_logged = None  # the highest step verl logged a training record for
         self.warmup_s = None  # the segment's first step (verl's warm-up): a step time only while alone
 
-    def forward(self, signum, frame):
-        if signum == signal.SIGTERM:
-            self.term = True
-            if self.proc is not None:
-                self._signal_group(signal.SIGTERM)
+    def command(self) -> list[str]:
+        argv = [self.opts.python, "-m", "verl.trainer.main_ppo", *expand_paths(self.opts.args, self.env),
+                *runtime_overrides(self.opts, self.env, self.run_dir, self.times)]
+        self.env.update(actor_env(self.opts, self.env, self.run_dir))  # a Ray started by the driver inherits these
+        return argv
 
-    def _signal_group(self, sig):
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def dry_run_view(self) -> dict:
+        shown = ("VERL_FILE_LOGGER_PATH", ESI_ENV, "WANDB_RUN_ID", "WANDB_RESUME")
+        return {"argv": self.argv, "env": {k: self.env[k] for k in shown if k in self.env}}
 
-    def stop(self):
-        self._signal_group(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self._signal_group(signal.SIGKILL)
-            self.proc.wait()
+    def prepare(self) -> None:
+        # a segment that ended without settling (killed, or its actors ran on another node)
+        align_tracker(self.ckpt_dir, recorded_step(self.run_dir, self.segment - 1))
+        prune_checkpoints(self.ckpt_dir, self.opts.keep)
+        self.last_ckpt = read_tracker(self.ckpt_dir)
+        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_term(self) -> None:
+        self.request = "term"
+        self.signal_group(signal.SIGTERM)
+
+    def on_usr1(self) -> None:
+        pass  # verl saves by the deadline itself (ESI)
 
     def poll_once(self) -> None:
         records, self.offset = read_verl_metrics(self.metrics_file, self.offset)
@@ -358,24 +340,25 @@ class Supervisor:
             with open(sink, "a", encoding="utf-8") as f:
                 for rec in records:
                     f.write(json.dumps(hpcrl_record(rec, self.segment, now), sort_keys=True) + "\n")
-        step = read_tracker(Path(self.opts.ckpt_dir))
-        deadline = deadline_of(self.env)
+        step = read_tracker(self.ckpt_dir)
         if step is not None and step != self.last_ckpt:
             self.last_ckpt = step
-            if (self.stop_after is None and deadline is not None
-                    and should_stop(self.opts, deadline - time.time(), self.times or ([self.warmup_s] if self.warmup_s else []))):
+            if (self.stop_after is None and self.deadline is not None
+                    and should_stop(self.opts, self.seconds_left(), self.times or ([self.warmup_s] if self.warmup_s else []))):
                 self.stop_after = (step, time.monotonic())
         if self.stop_after is not None and not self.stopped_for_continue:
-            saved, since = self.stop_after
-            logged = self.last_logged is not None and self.last_logged >= saved
-            late = time.monotonic() - since > METRICS_WAIT_S or (
-                deadline is not None and deadline - time.time() < STOP_MARGIN_S)
-            if logged or late:
-                print(f"hpcrl: verl saved step {saved}; the next save would not fit before the "
-                      f"deadline: stopping verl for continuation"
-                      f"{'' if logged else f' (its metrics for step {saved} did not come)'}", file=sys.stderr, flush=True)
-                self.stopped_for_continue = True
-                self.stop()
+            self._stop_once_logged()
+
+    def _stop_once_logged(self) -> None:
+        """verl logs a step's metrics after its save: stop once they came, or METRICS_WAIT_S on."""
+        saved, since = self.stop_after
+        logged = self.last_logged is not None and self.last_logged >= saved
+        late = time.monotonic() - since > self.metrics_wait_s or self.seconds_left() < STOP_MARGIN_S
+        if logged or late:
+            log(f"verl saved step {saved}; the next save would not fit before the deadline: stopping verl "
+                f"for continuation{'' if logged else f' (its metrics for step {saved} did not come)'}")
+            self.stopped_for_continue = True
+            self.stop_group(self.stop_grace_s)
 
     def last_trained_step(self) -> int | None:
         """The highest step verl logged a training step for in this segment (step 0 = validation)."""
@@ -383,48 +366,31 @@ class Supervisor:
         steps = [r["step"] for r in records if isinstance(r.get("step"), int) and "timing_s/step" in r["data"]]
         return max(steps) if steps else None
 
-    def settle(self) -> None:
-        """After verl's driver exited: wait for the rest of this segment's verl (its Ray actors
-        outlive the driver by seconds and keep training and saving), then make the tracker name a
-        step whose record was logged (align_tracker)."""
-        deadline = deadline_of(self.env)
-        # never past the deadline (the walltime's TERM and KILL follow it closely: the batch shell
-        # must still record the segment's end), nor past a TERM: the next segment aligns then
-        limit = STOP_GRACE_S if deadline is None else min(STOP_GRACE_S, deadline - time.time() - 1.0)
-        left = wait_gone(self.env[TAG_ENV], limit, lambda: self.term) if self.env.get(TAG_ENV) else []
-        if left and not self.term:
-            print(f"hpcrl: {len(left)} verl process(es) still running at the deadline: killing them",
-                  file=sys.stderr, flush=True)
-            kill_pids(left)
-            left = tagged_pids(self.env[TAG_ENV])
-        self.poll_once()
-        if not left:  # with a writer still alive the next segment's start aligns instead
-            align_tracker(Path(self.opts.ckpt_dir), recorded_step(self.run_dir, self.segment))
-
-    def run(self) -> int:
-        Path(self.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-        # Handlers first: a TERM or USR1 from the batch shell just as the segment starts must not
-        # kill the launcher (USR1's default action) or be lost before verl exists. USR1 gets a
-        # handler that does nothing, not SIG_IGN, which verl would inherit across exec.
-        signal.signal(signal.SIGTERM, self.forward)
-        signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # verl saves by the deadline itself (ESI)
-        if self.term:
-            return 128 + signal.SIGTERM
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
-        if self.term:  # came between the check and Popen
-            self._signal_group(signal.SIGTERM)
-        while self.proc.poll() is None:
-            time.sleep(POLL_S)
-            self.poll_once()
+    def finish(self) -> None:
         if self.stopped_for_continue:
             self.settle()
         else:  # a TERM from outside (walltime, preemption) wants a prompt exit: the next segment aligns
             self.poll_once()
-        if self.stopped_for_continue:
-            return EXIT_CONTINUE
-        if self.proc.returncode == 0:
-            return unsaved_end(self.last_trained_step(), read_tracker(Path(self.opts.ckpt_dir)), self.run_dir)
-        return self.proc.returncode if self.proc.returncode >= 0 else 128 - self.proc.returncode
+
+    def settle(self) -> None:
+        """After verl's driver exited: wait for the rest of this segment's verl (its Ray actors
+        outlive the driver by seconds and keep training and saving), then make the tracker name a
+        step whose record was logged (align_tracker)."""
+        # never past the deadline (the walltime's TERM and KILL follow it closely: the batch shell
+        # must still record the segment's end), nor past a TERM: the next segment aligns then
+        limit = self.stop_grace_s if self.deadline is None else min(self.stop_grace_s, self.seconds_left() - 1.0)
+        tag = self.env.get(TAG_ENV)
+        left = wait_gone(tag, limit, lambda: self.request == "term") if tag else []
+        if left and self.request != "term":
+            log(f"{len(left)} verl process(es) still running at the deadline: killing them")
+            kill_pids(left)
+            left = tagged_pids(tag)
+        self.poll_once()
+        if not left:  # with a writer still alive the next segment's start aligns instead
+            align_tracker(self.ckpt_dir, recorded_step(self.run_dir, self.segment))
+
+    def unsaved_reason(self) -> str | None:
+        return unsaved_reason(self.last_trained_step(), read_tracker(self.ckpt_dir))
 
 
 # ------------------------------------------------------------------ the segment boundary
@@ -492,38 +458,21 @@ def align_tracker(ckpt_dir: Path, recorded: int | None) -> int | None:
     if tracker is None or recorded is None or tracker <= recorded:
         return None
     if not (ckpt_dir / f"global_step_{recorded}").is_dir():
-        print(f"hpcrl: verl saved step {tracker} but logged no record for steps {recorded + 1}-{tracker}, and "
-              f"step {recorded} has no checkpoint to fall back to: keeping step {tracker}", file=sys.stderr, flush=True)
+        log(f"verl saved step {tracker} but logged no record for steps {recorded + 1}-{tracker}, and "
+            f"step {recorded} has no checkpoint to fall back to: keeping step {tracker}")
         return None
     tmp = ckpt_dir / (TRACKER + ".hpcrl-tmp")
     tmp.write_text(str(recorded), encoding="utf-8")
     os.replace(tmp, ckpt_dir / TRACKER)  # the tracker first: a crash here leaves extra dirs, not a hole
     for step in range(recorded + 1, tracker + 1):
         shutil.rmtree(ckpt_dir / f"global_step_{step}", ignore_errors=True)
-    print(f"hpcrl: verl saved step {tracker} but its record was lost when it stopped: the checkpoint of "
-          f"step {recorded} is the resume point (step {recorded + 1} is trained again)", file=sys.stderr, flush=True)
+    log(f"verl saved step {tracker} but its record was lost when it stopped: the checkpoint of "
+        f"step {recorded} is the resume point (step {recorded + 1} is trained again)")
     return recorded
 
 
-def main(argv=None) -> int:
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
-    env = dict(os.environ)
-    run_dir = Path(env.get(ENV_RUN_DIR) or Path(opts.ckpt_dir).parent)
-    times = past_step_times(run_dir, segment_of(env))
-    if not opts.dry_run:
-        # a segment that ended without settling (killed, or its actors ran on another node)
-        align_tracker(Path(opts.ckpt_dir), recorded_step(run_dir, segment_of(env) - 1))
-        prune_checkpoints(Path(opts.ckpt_dir), opts.keep)
-    verl_argv = [opts.python, "-m", "verl.trainer.main_ppo", *expand_paths(opts.overrides, env),
-                 *runtime_overrides(opts, env, run_dir, times)]
-    env.update(actor_env(opts, env, run_dir))  # a Ray started by the driver inherits these
-    print("hpcrl: running " + " ".join(verl_argv), file=sys.stderr, flush=True)
-    if opts.dry_run:
-        shown = ("VERL_FILE_LOGGER_PATH", ESI_ENV, "WANDB_RUN_ID", "WANDB_RESUME")
-        print(json.dumps({"argv": verl_argv, "env": {k: env[k] for k in shown if k in env}}))
-        return 0
-    return Supervisor(opts, verl_argv, env, run_dir, times).run()
-
+parse_args = VerlSupervisor.parse_args
+main = VerlSupervisor.main
 
 if __name__ == "__main__":
     sys.exit(main())

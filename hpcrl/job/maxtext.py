@@ -1,9 +1,9 @@
 """Job-side launcher for MaxText's RL trainer: runs it, stops it right after a committed save.
 
-Stdlib only, and standalone on purpose (as verl_launch.py): the adapter copies this file into the
-run directory (`maxtext/launch.py`), so the job's interpreter (a Python >= 3.12 venv on the TPU
-VM) needs no hpcrl. The argv the batch script shows is the whole static MaxText command line;
-this script only appends, per segment:
+Runs in the job as `python -m hpcrl.job.maxtext` (stdlib only, from the run's lib/ snapshot of
+hpcrl on PYTHONPATH: the job's interpreter, a Python >= 3.12 venv on the TPU VM, needs no hpcrl
+installed), under the one supervisor of hpcrl/job/supervisor.py. The argv the batch script shows
+is the whole static MaxText command line; this module only appends, per segment:
 
     num_test_batches=0    on every segment after the first with --eval first (MaxText has no key
                           that skips only the pre-training evaluation; it reruns it on every
@@ -14,7 +14,7 @@ Why it exists (measured, /work/shared/notes/maxtext-cpu.md): MaxText's RL path (
 Tunix) handles no signal. SIGTERM ends it with no save; SIGUSR1 kills it, also in the middle of
 a save, leaving `<step>.orbax-checkpoint-tmp*`. Its saves come at step 1, every
 checkpoint_period steps and at the last step, into <base>/<run>/checkpoints/actor/<step>/.
-So this script speaks the walltime protocol for it:
+So this module speaks the walltime protocol for it:
 
 - a save is committed when `<step>/` exists (Orbax renames its temporary directory); on GCS,
   where nothing is renamed, when `<step>/commit_success.txt` does (listed with `gcloud storage`
@@ -35,7 +35,6 @@ So this script speaks the walltime protocol for it:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -45,12 +44,9 @@ import sys
 import time
 from pathlib import Path
 
-# The walltime protocol's names (hpcrl/protocol.py), repeated: this file runs in the job's own
-# interpreter, which may not have hpcrl; tests/test_maxtext.py keeps them equal.
-EXIT_CONTINUE = 85
-EXIT_UNSAVED_END = 1
-ENV_RUN_DIR, ENV_SEGMENT, ENV_DEADLINE, ENV_METRICS = "HPCRL_RUN_DIR", "HPCRL_SEGMENT", "HPCRL_DEADLINE", "HPCRL_METRICS"
-ERROR_FILE = "trainer_error.txt"  # protocol.ERROR_FILE
+from hpcrl.job.supervisor import Supervisor, log, segment_of
+from hpcrl.protocol import ENV_METRICS, next_save_fits
+
 MODULE = "maxtext.trainers.post_train.rl.train_rl"
 TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary step directory: <step>.orbax-checkpoint-tmp[-<ts>]
 COMMIT_FILE = "commit_success.txt"  # Orbax's commit marker, what tells a finished save on GCS
@@ -71,36 +67,7 @@ PACE_SAFETY = 2.0
 METRICS_WAIT_S = 30.0
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="maxtext/launch.py", description=__doc__.splitlines()[0])
-    p.add_argument("--python", required=True, help="interpreter that runs MaxText")
-    p.add_argument("--ckpt-root", required=True, help="<base_output_directory>/<run_name>/checkpoints/actor")
-    p.add_argument("--period", type=int, required=True, help="checkpoint_period: steps between saves")
-    p.add_argument("--total-steps", type=int, default=0, help="steps of the whole run (0: unknown)")
-    p.add_argument("--save-time-s", type=float, default=60.0, help="what one save may take before one is measured")
-    p.add_argument("--step-time-s", type=float, default=0.0, help="a step's time before one is measured (0: unknown)")
-    p.add_argument("--eval", choices=("first", "every"), default="first",
-                   help="pre-training evaluation in the first segment only, or in every one")
-    p.add_argument("--dry-run", action="store_true", help="print the MaxText argv, run nothing")
-    p.add_argument("keys", nargs="*", help="the static key=value arguments (after --)")
-    return p.parse_args(argv)
-
-
 # ------------------------------------------------------------------ pure decisions
-
-
-def segment_of(env) -> int:
-    try:
-        return max(1, int(env.get(ENV_SEGMENT) or 1))
-    except ValueError:
-        return 1
-
-
-def deadline_of(env) -> float | None:
-    try:
-        return float(env[ENV_DEADLINE])
-    except (KeyError, ValueError):
-        return None
 
 
 def runtime_keys(opts, env) -> list[str]:
@@ -331,8 +298,8 @@ def should_stop(opts, seconds_left: float, step_s: float | None, save_s: float |
     """Right after a committed save: stop when the next one could not be committed before the deadline."""
     if not step_s:
         return False  # nothing measured yet: nothing to size the decision with
-    need = PACE_SAFETY * opts.period * step_s + step_s + max(save_s or 0.0, 1.0) + MARGIN_S + poll_s
-    return seconds_left < need
+    work_s = PACE_SAFETY * opts.period * step_s + step_s  # one more step: Tunix logs a step's metrics after it
+    return not next_save_fits(seconds_left, work_s, max(save_s or 0.0, 1.0), MARGIN_S + poll_s)
 
 
 def pace(saves: list[tuple[int, float]]) -> float | None:
@@ -345,51 +312,59 @@ def pace(saves: list[tuple[int, float]]) -> float | None:
 # ------------------------------------------------------------------ process supervision
 
 
-class Supervisor:
-    """Runs MaxText in its own process group and watches its checkpoint directory."""
+class MaxTextSupervisor(Supervisor):
+    """MaxText's knowledge: its checkpoint root (local or gs://), Orbax's commit, a kill that must
+    never land in a save (SIGSTOP, look, SIGKILL), Tunix's metrics a step late. TERM and USR1
+    become a stop at the first safe point (USR1 waits for the next save while it still fits)."""
 
-    def __init__(self, opts, argv, env, run_dir: Path):
-        self.opts, self.argv, self.env, self.run_dir = opts, argv, env, run_dir
-        self.store = store_for(opts.ckpt_root, env)
-        self.proc = None
-        self.known = set(self.store.committed())
+    name = "MaxText"
+
+    @classmethod
+    def add_arguments(cls, p) -> None:
+        p.add_argument("--ckpt-root", required=True, help="<base_output_directory>/<run_name>/checkpoints/actor")
+        p.add_argument("--period", type=int, required=True, help="checkpoint_period: steps between saves")
+        p.add_argument("--total-steps", type=int, default=0, help="steps of the whole run (0: unknown)")
+        p.add_argument("--save-time-s", type=float, default=60.0, help="what one save may take before one is measured")
+        p.add_argument("--step-time-s", type=float, default=0.0, help="a step's time before one is measured (0: unknown)")
+        p.add_argument("--eval", choices=("first", "every"), default="first",
+                       help="pre-training evaluation in the first segment only, or in every one")
+
+    def setup(self) -> None:
+        self.store = store_for(self.opts.ckpt_root, self.env)
+        self.poll_s = self.store.poll_s
         self.saves: list[tuple[int, float]] = []  # (step, when seen committed) in this segment
         self.save_started: dict[str, float] = {}
         self.save_s: float | None = None
-        self.request = None  # "usr1" | "term" | "deadline": stop at the first safe point
         self.requested_at = None
-        self.stopped_for_continue = False
-        # <base>/<run>/checkpoints/actor -> <base>/<run>/tensorboard (types.py); local roots only
-        self.metrics = None if opts.ckpt_root.startswith("gs://") else MetricsBridge(
-            Path(opts.ckpt_root).parent.parent / "tensorboard", env.get(ENV_METRICS))
+        self.metrics = None
         self.cleaned: list[str] = []  # temporary directories of interrupted saves removed at start
 
-    def on_signal(self, signum, frame):
-        self.request = "term" if signum == signal.SIGTERM else "usr1"
+    def command(self) -> list[str]:
+        return [self.opts.python, "-m", MODULE, *self.opts.args, *runtime_keys(self.opts, self.env)]
 
-    def _group(self, sig) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def prepare(self) -> None:
+        self.known = set(self.store.committed())
+        # <base>/<run>/checkpoints/actor -> <base>/<run>/tensorboard (types.py); local roots only
+        if not self.opts.ckpt_root.startswith("gs://"):
+            self.metrics = MetricsBridge(Path(self.opts.ckpt_root).parent.parent / "tensorboard",
+                                         self.env.get(ENV_METRICS))
+        for name in self.store.clean():
+            log(f"removed {self.opts.ckpt_root.rstrip('/')}/{name} (a save interrupted in an earlier segment)")
+            self.cleaned.append(name)
 
     def safe_kill(self) -> bool:
         """Kill MaxText if no save is in progress; False (and it keeps running) when one is."""
-        self._group(signal.SIGSTOP)  # frozen: no save can start or finish while we look
+        self.signal_group(signal.SIGSTOP)  # frozen: no save can start or finish while we look
         if self.store.in_progress():
-            self._group(signal.SIGCONT)
+            self.signal_group(signal.SIGCONT)
             return False
-        self._group(signal.SIGKILL)
-        self._group(signal.SIGCONT)
+        self.signal_group(signal.SIGKILL)
+        self.signal_group(signal.SIGCONT)
         self.proc.wait()
         return True
 
-    def log(self, msg: str) -> None:
-        print(f"hpcrl: {msg}", file=sys.stderr, flush=True)
-
-    def poll_once(self) -> None:
-        if self.metrics is not None:
-            self.metrics.poll()
+    def see_saves(self) -> list[int]:
+        """The saves committed since the last poll, recorded (SAVES_FILE) and timed."""
         now = time.time()
         for name in self.store.in_progress():
             self.save_started.setdefault(name.split(".")[0], now)
@@ -400,105 +375,73 @@ class Supervisor:
             began = self.save_started.pop(str(step), None)
             if began is not None:
                 self.save_s = max(self.save_s or 0.0, now - began)
-            record = {"step": step, "time": round(now, 3), "segment": segment_of(self.env)}
-            try:
-                with open(self.run_dir / SAVES_FILE, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(record) + "\n")
-            except OSError:
-                pass
+            self.append(SAVES_FILE, {"step": step, "time": round(now, 3), "segment": self.segment})
+        return new
+
+    def poll_once(self) -> None:
+        if self.metrics is not None:
+            self.metrics.poll()
+        new = self.see_saves()
         if self.stopped_for_continue or self.proc.poll() is not None:
             return
-        deadline = deadline_of(self.env)
         step_s = pace(self.saves) or self.opts.step_time_s or None
-        if new and self.request is None and deadline is not None and (
+        save_s = self.save_s or self.opts.save_time_s
+        if new and self.request is None and self.deadline is not None and (
                 self.opts.total_steps <= 0 or max(new) < self.opts.total_steps) and \
-                should_stop(self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s,
-                            self.store.poll_s):
+                should_stop(self.opts, self.seconds_left(), step_s, save_s, self.store.poll_s):
             self.request = "deadline"
-        if self.request == "usr1" and not new and deadline is not None and not should_stop(
-                self.opts, deadline - time.time(), step_s, self.save_s or self.opts.save_time_s, self.store.poll_s):
+        if self.request == "usr1" and not new and self.deadline is not None and not should_stop(
+                self.opts, self.seconds_left(), step_s, save_s, self.store.poll_s):
             return  # walltime near, yet the next save still fits: stop right after it rather than lose its steps
         if self.request is not None and self.requested_at is None:
             self.requested_at = time.monotonic()
-        wait_s = max(METRICS_WAIT_S, PACE_SAFETY * (step_s or 0.0))
-        if self.request in ("deadline", "usr1") and self.metrics is not None and self.known and (
-                self.metrics.newest or 0) < max(self.known) and time.monotonic() - self.requested_at < wait_s and (
-                deadline is None or deadline - time.time() > MARGIN_S):
+        if self.request in ("deadline", "usr1") and self._metrics_pending(step_s):
             return  # the saved step's metrics are not written yet: give Tunix a moment
         if self.request is not None and self.safe_kill():
             last = max(self.known) if self.known else None
             why = {"deadline": "the next save would not finish before the deadline",
                    "usr1": "USR1 (walltime near)", "term": "TERM"}[self.request]
-            self.log(f"stopped MaxText after its committed save of step {last}: {why}")
+            log(f"stopped MaxText after its committed save of step {last}: {why}")
             self.stopped_for_continue = True
 
-    def record(self, **fields) -> None:
+    def _metrics_pending(self, step_s: float | None) -> bool:
+        wait_s = max(METRICS_WAIT_S, PACE_SAFETY * (step_s or 0.0))
+        return (self.metrics is not None and bool(self.known) and (self.metrics.newest or 0) < max(self.known)
+                and time.monotonic() - self.requested_at < wait_s and self.seconds_left() > MARGIN_S)
+
+    def append(self, name: str, record: dict) -> None:
         try:
-            with open(self.run_dir / SEGMENTS_FILE, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"segment": segment_of(self.env), **fields}) + "\n")
+            with open(self.run_dir / name, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
         except OSError:
             pass
 
     def run(self) -> int:
-        self.record(event="start", argv=self.argv, cleaned=self.cleaned)
-        rc = self._run()
-        self.record(event="end", rc=rc, first_save=self.saves[0][0] if self.saves else None,
-                    last_save=self.saves[-1][0] if self.saves else None,
-                    stopped_for=self.request if self.stopped_for_continue else None,
-                    metrics_through=self.metrics.newest if self.metrics is not None else None)
+        self.append(SEGMENTS_FILE, {"segment": self.segment, "event": "start", "argv": self.argv, "cleaned": self.cleaned})
+        rc = super().run()
+        self.append(SEGMENTS_FILE, {
+            "segment": self.segment, "event": "end", "rc": rc, "first_save": self.saves[0][0] if self.saves else None,
+            "last_save": self.saves[-1][0] if self.saves else None,
+            "stopped_for": self.request if self.stopped_for_continue else None,
+            "metrics_through": self.metrics.newest if self.metrics is not None else None})
         return rc
 
-    def _run(self) -> int:
-        # Handlers before the trainer starts: a TERM that arrived between the two (a loaded machine,
-        # a quick stand-in: seen in a test at load 12) killed the launcher by TERM's default action.
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGUSR1, self.on_signal)
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
-        while self.proc.poll() is None:
-            time.sleep(self.store.poll_s)
-            self.poll_once()
+    def finish(self) -> None:
         self.poll_once()
         if self.metrics is not None:
             self.metrics.poll(final=True)
-        if self.stopped_for_continue:
-            return EXIT_CONTINUE
-        rc = self.proc.returncode
-        if rc == 0:
-            return unsaved_end(self.opts.total_steps, max(self.known) if self.known else None, self.run_dir)
-        return rc if rc >= 0 else 128 - rc
+
+    def unsaved_reason(self) -> str | None:
+        """MaxText exited 0: complete only when the last step is saved (it saves it itself)."""
+        total, saved = self.opts.total_steps, max(self.known) if self.known else None
+        if total <= 0 or (saved is not None and saved >= total):
+            return None
+        return (f"MaxText exited 0 but its newest checkpoint is step {saved} of {total}: "
+                f"the run would read COMPLETED without its last steps")
 
 
-def unsaved_end(total: int, saved: int | None, run_dir: Path | None) -> int:
-    """MaxText exited 0: complete only when the last step is saved (it saves it itself)."""
-    if total <= 0 or (saved is not None and saved >= total):
-        return 0
-    reason = (f"MaxText exited 0 but its newest checkpoint is step {saved} of {total}: "
-              f"the run would read COMPLETED without its last steps")
-    print(f"hpcrl: {reason}", file=sys.stderr, flush=True)
-    if run_dir is not None:
-        try:
-            (Path(run_dir) / ERROR_FILE).write_text(reason + "\n", encoding="utf-8")
-        except OSError:
-            pass
-    return EXIT_UNSAVED_END
-
-
-def main(argv=None) -> int:
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
-    env = dict(os.environ)
-    run_dir = Path(env.get(ENV_RUN_DIR) or ".")
-    argv = [opts.python, "-m", MODULE, *opts.keys, *runtime_keys(opts, env)]
-    print("hpcrl: running " + " ".join(argv), file=sys.stderr, flush=True)
-    if opts.dry_run:
-        print(json.dumps({"argv": argv}))
-        return 0
-    sup = Supervisor(opts, argv, env, run_dir)
-    for name in sup.store.clean():
-        print(f"hpcrl: removed {opts.ckpt_root.rstrip('/')}/{name} (a save interrupted in an earlier segment)",
-              file=sys.stderr, flush=True)
-        sup.cleaned.append(name)
-    return sup.run()
-
+parse_args = MaxTextSupervisor.parse_args
+main = MaxTextSupervisor.main
 
 if __name__ == "__main__":
     sys.exit(main())
