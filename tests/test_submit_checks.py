@@ -142,3 +142,22 @@ def test_the_mistakes_table_quotes_what_the_cli_says(fast_local, home, tmp_path)
     r = hpcrl("render", "--site", "perlmutter", "--account", "m1234_g", "--trainer", "smoke", "--hours", "72",
               "--total-hours", "10", check=False)
     assert r.stderr.strip().removeprefix("hpcrl: error: ") in doc, r.stderr
+
+
+def test_the_probe_reads_the_reward_source_not_a_stale_cache_and_leaves_none(tmp_path):
+    """Two versions of a reward file of the same size, written within one second, have the same
+    __pycache__ key (mtime in seconds + size): the second must still be the one checked."""
+    import os
+
+    from hpcrl.trainers.builtin import BuiltinTrainer
+
+    file = tmp_path / "r.py"
+    file.write_text("def score(*a):\n    return 0.0\n")
+    BuiltinTrainer().check_python({"reward": f"{file}:score"}, sys.executable, {})
+    stat = file.stat()
+    file.write_text("raise SystemExit('bad one')\n#\n")
+    assert file.stat().st_size == stat.st_size
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same second, for certain
+    with pytest.raises(SpecError, match="SystemExit: bad one"):
+        BuiltinTrainer().check_python({"reward": f"{file}:score"}, sys.executable, {})
+    assert not (tmp_path / "__pycache__").exists()

@@ -29,9 +29,12 @@ ask = json.loads(sys.argv[1])
 out = {"rewards": [], "tables": []}
 for path, func in ask["rewards"]:
     try:
+        # from the source, never a __pycache__: a file edited within the second at the same size
+        # would otherwise run its old bytecode (and submit would leave a cache in the user's folder)
         spec = importlib.util.spec_from_file_location("hpcrl_submit_check_reward", path)
         mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        with open(path, "rb") as src:
+            exec(compile(src.read(), path, "exec"), mod.__dict__)
         out["rewards"].append(None if callable(getattr(mod, func, None)) else "defines no function %r" % func)
     except BaseException as e:
         out["rewards"].append("%s: %s" % (type(e).__name__, " ".join(str(e).split())[:200]))
@@ -78,7 +81,7 @@ def probe(python: str, env: dict, rewards: list[tuple[str, str]], tables: list[s
         return Facts()
     ask = json.dumps({"rewards": [list(r) for r in rewards], "tables": list(tables)})
     try:
-        out = subprocess.run([python, "-c", _SCRIPT, ask], capture_output=True, text=True, timeout=300,
+        out = subprocess.run([python, "-B", "-c", _SCRIPT, ask], capture_output=True, text=True, timeout=300,
                              cwd="/", env=env, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return None
