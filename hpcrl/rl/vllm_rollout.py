@@ -12,7 +12,7 @@ import os
 import torch
 
 from .policy import left_pad
-from .rollout import RolloutBatch, decode_responses, response_mask_from
+from .rollout import RolloutBatch, decode_responses, response_mask_from, stop_token_ids
 
 
 class VllmRollout:
@@ -28,6 +28,7 @@ class VllmRollout:
         self.tokenizer, self.device = tokenizer, device or torch.device("cpu")
         self.temperature, self.top_p = cfg["temperature"], cfg["top_p"]
         self.max_new_tokens = cfg["max_response_length"]
+        self.stops = stop_token_ids(tokenizer, _generation_config(model_dir))
         self.llm = LLM(model=str(model_dir), dtype=cfg["dtype"], seed=cfg["seed"], enforce_eager=True,
                        gpu_memory_utilization=cfg["vllm_gpu_memory_utilization"],
                        max_model_len=cfg["max_prompt_length"] + cfg["max_response_length"])
@@ -50,7 +51,7 @@ class VllmRollout:
 
         params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature,
                                 top_p=1.0 if greedy else self.top_p, max_tokens=self.max_new_tokens,
-                                logprobs=None if greedy else 0)
+                                logprobs=None if greedy else 0, stop_token_ids=self.stops)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         tok = self.tokenizer
         responses, logps = [], []
@@ -63,7 +64,7 @@ class VllmRollout:
         for i, r in enumerate(responses):
             rid[i, :len(r)] = torch.tensor(r)
         ids, mask = left_pad([p for p in prompts for _ in range(n)], tok.pad_token_id)
-        rmask = response_mask_from(rid, tok.eos_token_id)
+        rmask = response_mask_from(rid, self.stops)
         # vLLM reports log-probs of the raw logits; they equal the policy's only at temperature 1
         old = None
         if not greedy and self.temperature == 1.0 and all(len(lp) == len(r) for lp, r in zip(logps, responses)):
@@ -74,3 +75,13 @@ class VllmRollout:
         d = self.device
         return RolloutBatch(ids.to(d), mask.to(d), rid.to(d), rmask.to(d), None if old is None else old.to(d),
                             decode_responses(tok, rid, rmask))
+
+
+def _generation_config(model_dir):
+    """The model's generation_config.json (its eos ids are stop tokens vLLM uses); None without one."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError):
+        return None
