@@ -163,8 +163,10 @@ class RLTrainer:
         if cfg["rollout"] == "vllm":
             from .vllm_rollout import VllmRollout
 
-            return VllmRollout(self.model_dir, self.tok, cfg, self.device, world=self.dist.world, rank=self.dist.rank,
-                               local_rank=self.dist.local_rank, gpu_memory_utilization=self.engine_utilization)
+            engine = VllmRollout(self.model_dir, self.tok, cfg, self.device, world=self.dist.world, rank=self.dist.rank,
+                                 local_rank=self.dist.local_rank, gpu_memory_utilization=self.engine_utilization)
+            say(f"rank {self.dist.rank}: {engine.placement()}")  # every rank: where its own engine is
+            return engine
         engine = HFGenerateRollout if cfg["rollout"] == "hf-generate" else HFRollout
         # no sampler log-probs: the old policy's are the trainer's own forward's (_update)
         return engine(self.model, self.tok, cfg["temperature"], cfg["top_p"], cfg["max_response_length"],

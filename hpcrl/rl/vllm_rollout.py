@@ -71,7 +71,16 @@ class VllmRollout:
         self.tp = kwargs["tensor_parallel_size"]
         self.sleeps = kwargs["enable_sleep_mode"]
         self.asleep = set()  # what sleep released: "weights", "kv_cache"
+        self.backend = kwargs.get("distributed_executor_backend") or "uni"
         self.llm = LLM(**kwargs)
+
+    def placement(self) -> str:
+        """Where this rank's engine runs, as vLLM itself reports it (a line for the rank's log)."""
+        from vllm.distributed import parallel_state as ps
+
+        where = self.device if self.device.type == "cpu" else f"{self.device.type}:{torch.cuda.current_device()}"
+        return (f"vLLM engine on {where}, executor {self.backend}, vLLM world {ps.get_world_group().world_size} "
+                f"(this rank {ps.get_world_group().rank_in_group}), tensor parallel {ps.get_tp_group().world_size}")
 
     def release(self) -> None:
         """Before the update: free the engine's weights and KV cache (level 2: the next sync

@@ -43,3 +43,73 @@ def test_tensor_parallel_groups_share_a_seed_and_must_divide_the_ranks():
     with pytest.raises(ValueError, match="vllm_tensor_parallel_size = 3 does not divide the 4 ranks"):
         engine_args({**CFG, "vllm_tensor_parallel_size": 3}, "/m", world=4, rank=0, local_rank=0, device_type="cuda",
                     gpu_memory_utilization=0.5)
+
+
+class _LLMDouble:
+    """TEST DOUBLE of vllm.LLM on a GPU (neither exists here): records the calls the rollout makes."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, [name for name, _ in kwargs["weights_iterator"]]))
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        self.calls.append(("generate", len(prompts)))
+        out = SimpleNamespace(token_ids=[3], logprobs=None)
+        return [SimpleNamespace(outputs=[out] * params[0].n) for _ in prompts]
+
+
+def _vllm_double(monkeypatch):
+    import sys
+    import types
+
+    from types import SimpleNamespace
+
+    mod = types.ModuleType("vllm")
+    mod.LLM = _LLMDouble
+    mod.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    mod.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_engine_sleeps_through_the_update_and_wakes_for_the_sync_and_generation(monkeypatch, tmp_path, device):
+    """On a GPU: level 2 (weights and KV cache freed: the sync rewrites every weight) before the
+    update, the weights woken for the sync, the KV cache only for the next generation. vLLM's
+    CPU worker has no sleep mode: no call at all."""
+    import torch
+
+    from hpcrl.rl.tiny import build_tokenizer
+    from hpcrl.rl.vllm_rollout import VllmRollout
+
+    _vllm_double(monkeypatch)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(k, raising=False)  # engine_args' environment goes into os.environ
+    tok = build_tokenizer(20)
+    engine = VllmRollout(tmp_path, tok, CFG, torch.device(device), gpu_memory_utilization=0.3)
+    engine.device = torch.device("cpu")  # where the batch tensors go (no CUDA in this torch)
+    engine.generate([[5, 6]], n=2)
+    engine.release()
+    engine.release()  # twice (an update with nothing to release): one sleep
+    engine.sync_weights(iter([("w", torch.zeros(2))]))
+    engine.generate([[5, 6]], n=2, seeds=[1])
+    want = ([("generate", 1), ("sleep", 2), ("wake_up", ("weights",)), ("reload_weights", ["w"]),
+             ("wake_up", ("kv_cache",)), ("generate", 1)] if device == "cuda" else
+            [("generate", 1), ("reload_weights", ["w"]), ("generate", 1)])
+    assert engine.llm.calls == want
+    assert engine.llm.kwargs["enable_sleep_mode"] is (device == "cuda")
