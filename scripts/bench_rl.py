@@ -164,9 +164,9 @@ def bench_rollout(model_dir: Path, seqs: int = 64, new_tokens: int = 32, reps: i
     text = (policy.prompt_text(tok, [{"role": "user", "content": "What is 17 + 25? Show your work."}]) if chat
             else "numbers 3 7 target 21 answer")
     prompt = tok(text, add_special_tokens=False).input_ids
-    model.generation_config.suppress_tokens = [tok.eos_token_id]  # generate's way
     engines = {"hf": HFRollout(model, tok, max_new_tokens=new_tokens),
                "hf_generate": HFGenerateRollout(model, tok, max_new_tokens=new_tokens)}
+    model.generation_config.suppress_tokens = engines["hf"].stop_ids()  # generate's way: every stop id
     engines["hf"].suppress_eos = True  # the loop's way
     secs, ntok = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
     for r in engines.values():

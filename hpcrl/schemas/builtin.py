@@ -236,8 +236,8 @@ SCHEMA = Schema("builtin", [
     # --- several processes (torchrun sets WORLD_SIZE; without it the trainer is one process)
     Choice("parallel", "auto", ("auto", "ddp", "fsdp"),
            "with several ranks: ddp (a full copy of model and AdamW state per rank, gradients all-reduced); "
-           "fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and AdamW state sharded; rollout and "
-           "eval on weights gathered for the phase; each rank writes and reads its part of every checkpoint, whole tensors any world size loads); auto: ddp"),
+           "fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and AdamW state sharded; HF rollout and "
+           "eval on weights gathered for the phase, vLLM's weights streamed to it a tensor at a time; each rank writes and reads its part of every checkpoint, whole tensors any world size loads); auto: ddp"),
     Float("dist_timeout_s", 300.0, "longest any collective may wait for a peer before the rank fails (bounds a hang "
           "on a stuck peer; a dead peer's closed connection fails at once)", gt=0),
     Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",
