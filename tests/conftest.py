@@ -52,7 +52,8 @@ def _slurm_locks(request):
 # first (else SmolLM2's three quick checks made its worker take two more files at once, and it
 # ran ~1900 s); then the verl tier's worker takes the demo after its first test (~460 s), and
 # MaxText's worker the Slurm verl run (~480 s): ~1200 s for the phase, the SmolLM2 run alone ~1150.
-TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_demo.py", "test_verl_tier_slurm.py")
+TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_demo.py", "test_verl_tier_slurm.py",
+         "test_vllm_tier.py")
 PHASES = ("light", "tiers")
 
 

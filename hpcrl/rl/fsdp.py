@@ -202,22 +202,19 @@ def _options(**kw):
     return StateDictOptions(**kw)
 
 
-def full_model_state(model) -> dict:
-    """The unsharded state_dict on every rank, on the model's device (a collective): each rank's
-    vLLM engine needs the whole weights."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def stream_weights(model, dtype):
+    """(name, whole tensor in `dtype`) for every tensor of the model's state_dict, one at a time:
+    a sharded one is cast on its shards and all-gathered alone (a collective: every rank walks the
+    same names in the same order), so at most one whole tensor exists at once. For the vLLM
+    engine's weight sync; a plain (ddp) model's tensors are cast only when `dtype` differs."""
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=False))
-
-
-class FullModel:
-    """What checkpoint.snapshot reads from a model: the gathered state_dict and the HF config."""
-
-    def __init__(self, state: dict, config):
-        self._state, self.config = state, config
-
-    def state_dict(self):
-        return self._state
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t = t.detach()
+            if t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            yield name, t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict, tuple]:

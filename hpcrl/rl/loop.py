@@ -83,6 +83,7 @@ class RLTrainer:
         enc = dict(chat_template=cfg["chat_template"], max_prompt_length=cfg["max_prompt_length"])
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
         self.val_ids = policy.encode_prompts(self.tok, self.val_ex[:cfg["eval_size"]], **enc)
+        self.engine_bytes, self.engine_utilization = self._plan_engine()
         self.auto_rows = self._auto_rows()
         # fused: one kernel over all parameters instead of a loop of small ones (~12% of a tiny step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
@@ -121,8 +122,7 @@ class RLTrainer:
                                      cfg["gradient_checkpointing"], chunk)
         params = sum(p.numel() for p in self.model.parameters())  # the full count, sharded or not
         state = memory.state_bytes(params, self.dist.world if self.fsdp else 1, self.ref is not None)
-        if cfg["rollout"] == "vllm":  # a colocated vLLM holds its share of the device for the whole run
-            total = int(total * (1 - cfg["vllm_gpu_memory_utilization"]))
+        total -= self.engine_bytes  # a colocated vLLM holds its share of the device for the whole run
         # the rows a rank holds per optimizer step (whole groups per rank: some ranks may hold more
         # than the mean, so the search runs up to the whole batch and the message names the most)
         local = -(-cfg["batch_size"] // self.dist.world) * cfg["group_size"] // cfg["mini_batches"]
@@ -130,6 +130,24 @@ class RLTrainer:
         rows = memory.even_split(max(1, local), most)
         self._say(memory.describe(rows, pass_of(rows), total, state))
         return most
+
+    def _plan_engine(self) -> tuple[int, float | None]:
+        """(bytes, gpu_memory_utilization) of this rank's vLLM engine on a GPU, derived from the
+        model's shape unless the spec sets the share: its weights in the compute dtype and the KV
+        cache of the rank's whole rollout at once, within what training's peak (the state with its
+        largest pass, or the weight sync) leaves; (0, the spec's) elsewhere."""
+        cfg = self.cfg
+        total = memory.device_bytes(self.device)
+        if cfg["rollout"] != "vllm" or total is None:
+            return 0, cfg["vllm_gpu_memory_utilization"]
+        if cfg["vllm_gpu_memory_utilization"]:
+            return int(total * cfg["vllm_gpu_memory_utilization"]), cfg["vllm_gpu_memory_utilization"]
+        plan = memory.engine_plan(self.model.config, [p.numel() for p in self.model.parameters()], cfg,
+                                  self.dist.world, self.fsdp, self.ref is not None, total,
+                                  policy.logit_chunk_tokens(self.model, cfg["logit_chunk_tokens"]))
+        self._say(f"vLLM engine per rank: {plan[0] / 2 ** 30:.1f} GiB (gpu_memory_utilization {plan[1]:.2f}, "
+                  "from the memory estimate; set vllm_gpu_memory_utilization to choose)")
+        return plan
 
     def _rows_per_pass(self, rows: int) -> int:
         if self.cfg["micro_batch_size"]:
@@ -147,7 +165,10 @@ class RLTrainer:
         if cfg["rollout"] == "vllm":
             from .vllm_rollout import VllmRollout
 
-            return VllmRollout(self.model_dir, self.tok, cfg, self.device)
+            engine = VllmRollout(self.model_dir, self.tok, cfg, self.device, world=self.dist.world, rank=self.dist.rank,
+                                 local_rank=self.dist.local_rank, gpu_memory_utilization=self.engine_utilization)
+            say(f"rank {self.dist.rank}: {engine.placement()}")  # every rank: where its own engine is
+            return engine
         engine = HFGenerateRollout if cfg["rollout"] == "hf-generate" else HFRollout
         # no sampler log-probs: the old policy's are the trainer's own forward's (_update)
         return engine(self.model, self.tok, cfg["temperature"], cfg["top_p"], cfg["max_response_length"],
@@ -403,12 +424,15 @@ class RLTrainer:
         G = cfg["group_size"]
         idx = self.sampler.next(cfg["batch_size"])
         mine = self.dist.share(len(idx))  # whole groups: this rank's prompts and all their samples
-        gens = None
-        if cfg["rollout"] == "hf":  # each prompt's samples from its own (seed, step, position) stream
-            gens = [generator(self.device, cfg["seed"], self.step, p) for p in mine]
-        with fsdp.gathered(self.model, self.fsdp), self._compute():  # no collective per token: ranks decode at their own pace
-            batch = self.rollout.generate([self.train_ids[idx[p]] for p in mine], n=G, generators=gens,
-                                          abort=self._stop_requested)
+        # each prompt's samples from its own (seed, step, position) stream (vLLM: its per-request seed)
+        streams = {}
+        if cfg["rollout"] == "hf":
+            streams["generators"] = [generator(self.device, cfg["seed"], self.step, p) for p in mine]
+        elif cfg["rollout"] == "vllm":
+            streams["seeds"] = [stream_seed(cfg["seed"], self.step, p) for p in mine]
+        with self._for_generation():  # no collective per token: ranks decode at their own pace
+            batch = self.rollout.generate([self.train_ids[idx[p]] for p in mine], n=G, abort=self._stop_requested,
+                                          **streams)
         if self.dist.agree_stop("SIGUSR1" if batch is None else None) is not None:
             self._say(f"step {self.step + 1} abandoned in its rollout: stop requested")
             return None
@@ -418,6 +442,7 @@ class RLTrainer:
         local = torch.tensor(values, dtype=torch.float32)
         reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
         adv = algos.group_advantages(local, G, scale_by_std=ALGORITHMS[cfg["algorithm"]].scale_by_std)
+        self._release_rollout()
         stats = self._update(batch, adv.to(self.device), row0=mine.start * G)
         self._sync_rollout()
         ntok = int(batch.response_mask.sum().item())
@@ -538,15 +563,38 @@ class RLTrainer:
         self.optimizer.step()
         return total, stats
 
+    def _for_generation(self):
+        """The context of a generation: the HF engines run the training model, whose weights fsdp
+        gathers for the whole phase (and in the compute dtype); vLLM holds its own weights, so
+        nothing is gathered for it."""
+        import contextlib
+
+        if self.cfg["rollout"] == "vllm":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(fsdp.gathered(self.model, self.fsdp))
+        stack.enter_context(self._compute())
+        return stack
+
+    def _release_rollout(self) -> None:
+        """vLLM's weights and KV cache out of the way of the update, where vLLM can sleep."""
+        release = getattr(self.rollout, "release", None)
+        if release is not None:
+            release()
+
     def _sync_rollout(self) -> None:
-        """New weights to a separate engine (vLLM); the HF engines use the model itself. Under fsdp
-        every rank gathers the full state_dict for its engine (a collective: all ranks call this
-        at the same points), held only for the copy."""
-        if self.fsdp and self.cfg["rollout"] == "vllm":
-            self.rollout.sync_weights(fsdp.FullModel(fsdp.full_model_state(self.model),
-                                                     self.model.config))
-        else:
+        """New weights to a separate engine (vLLM); the HF engines use the model itself.
+
+        The gradients are freed first (the next step's zero_grad would free them anyway), then
+        the weights go to the engine one tensor at a time in the compute dtype: each tensor is
+        cast on its shards and (fsdp) all-gathered alone, the same order on every rank (a
+        collective per tensor), and dropped once vLLM has copied it. The peak is one tensor,
+        not the whole float32 state_dict that was gathered on every rank before."""
+        if self.cfg["rollout"] != "vllm":
             self.rollout.sync_weights(self.model)
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self.rollout.sync_weights(fsdp.stream_weights(self.model, getattr(torch, self.cfg["dtype"])))
 
     def _loss_scale(self) -> float:
         # FSDP's reduce-scatter averages over the ranks; the weights above make a global mean
@@ -580,7 +628,7 @@ class RLTrainer:
         abandoned = False
         # fork: evaluation must not change the training's random stream; gathered (fsdp): the
         # weights all-gathered once for the phase, so ranks with more batches need no collective
-        with torch.random.fork_rng(), fsdp.gathered(self.model, self.fsdp), self._compute():
+        with torch.random.fork_rng(), self._for_generation():
             for start in range(mine.start, mine.stop, bs):
                 # a local check per batch (and inside the decoding); the ranks agree after the loop
                 if self._stop_requested():

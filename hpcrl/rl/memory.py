@@ -98,3 +98,79 @@ def device_bytes(device) -> int | None:
     import torch
 
     return torch.cuda.get_device_properties(device).total_memory
+
+
+# ---------------------------------------------------------------- the colocated vLLM engine
+
+# what a vLLM engine holds beyond its weights and KV cache: CUDA graphs' memory pools (vLLM logs
+# 0.3-1 GiB at its default capture sizes), the sampler's vocabulary-wide logits, the profile run's
+# activations. Not measured here (no GPU): a round, pessimistic figure.
+ENGINE_OVERHEAD = 2 * 2 ** 30
+SAFETY = 0.92  # of the device: the allocator's fragmentation and the CUDA context
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def kv_bytes_per_token(config, dtype: str) -> int:
+    """Keys and values of one token in every layer (grouped-query attention: the KV heads)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * _dtype_bytes(dtype)
+
+
+def engine_bytes(config, n_params: int, dtype: str, rows: int, tokens: int, tp: int = 1) -> int:
+    """One rank's engine: its share of the weights in the compute dtype, the KV cache of `rows`
+    sequences of `tokens` at once, and the overhead (tensor parallelism splits weights and KV)."""
+    return (n_params * _dtype_bytes(dtype) + rows * tokens * kv_bytes_per_token(config, dtype)) // tp + ENGINE_OVERHEAD
+
+
+def sync_bytes(largest_tensor: int, dtype: str) -> int:
+    """The weight sync's peak beyond the model state (gradients freed first): one tensor gathered
+    whole in the compute dtype, and as much again for vLLM's layer-wise reload of it."""
+    return 2 * largest_tensor * _dtype_bytes(dtype)
+
+
+def engine_share(device: int, want: int, least: int, training: int) -> int:
+    """The bytes an engine gets: all it wants (KV cache for the rank's whole rollout at once)
+    within what training's peak (`training`: state and its largest pass or sync) leaves of the
+    device; at least `least` (the weights and one whole sequence's KV cache), else ValueError."""
+    room = int(device * SAFETY) - training
+    if room < least:
+        gib = 2 ** 30
+        raise ValueError(f"rollout: vllm: training needs ~{training / gib:.1f} GiB of the {device / gib:.0f} GiB "
+                         f"device and the engine at least {least / gib:.1f} GiB more: lower micro_batch_size, "
+                         "shard with parallel: fsdp, or set vllm_tensor_parallel_size")
+    return min(want, room)
+
+
+def utilization(share: int, device: int) -> float:
+    """vLLM's gpu_memory_utilization for an engine of `share` bytes (rounded up to 0.01)."""
+    return min(1.0, math.ceil(100 * share / device) / 100)
+
+
+def engine_plan(config, numels: list, cfg: dict, world: int, sharded: bool, reference: bool, device: int,
+                chunk_tokens: int | None = None) -> tuple[int, float]:
+    """(bytes, gpu_memory_utilization) of one rank's vLLM engine: what it wants (weights and the
+    KV cache of the rank's whole rollout at once: its training prompts' groups, or an evaluation
+    batch, times the tensor-parallel group) within what training's peak leaves of the device: the
+    state with its largest pass (micro_batch_size; 0: the automatic rows take half of what the
+    state leaves) or the weight sync, whichever is larger. The engine is counted as resident the
+    whole time (no credit for sleep mode): an estimate that fits without it fits with it."""
+    n_params, tp, dtype = sum(numels), cfg.get("vllm_tensor_parallel_size") or 1, cfg["dtype"]
+    tokens = cfg["max_prompt_length"] + cfg["max_response_length"]
+    rows = max(-(-cfg["batch_size"] // world) * cfg["group_size"],
+               min(cfg["eval_batch_size"], -(-cfg["eval_size"] // world))) * tp
+    want = engine_bytes(config, n_params, dtype, rows, tokens, tp)
+    least = engine_bytes(config, n_params, dtype, 1, tokens, tp)
+    state = state_bytes(n_params, world if sharded else 1, reference)
+    if cfg["micro_batch_size"]:
+        train = state + pass_bytes(config, cfg["micro_batch_size"], cfg["max_prompt_length"],
+                                   cfg["max_response_length"], dtype, cfg["gradient_checkpointing"], chunk_tokens)
+    else:
+        train = state + (int(device * SAFETY) - state) // 2
+    peak = max(train, state + sync_bytes(max(numels), dtype))
+    share = engine_share(device, want, least, peak)
+    return share, utilization(share, device)

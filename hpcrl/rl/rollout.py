@@ -34,11 +34,25 @@ class RolloutBatch:
                             [self.texts[i] for i in idx.tolist()])
 
 
+def stop_token_ids(tokenizer, generation_config=None) -> list:
+    """Every id a response ends at: the generation config's eos ids (an int or a list: Qwen2.5-
+    Instruct's are <|im_end|> and <|endoftext|>, the latter also its pad token) and the
+    tokenizer's eos. vLLM stops at all of them; the sampling loops and the mask must too, else a
+    response ending in the second one gets a mask of all ones and its padding enters the loss."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
 def response_mask_from(response_ids: torch.Tensor, eos_id) -> torch.Tensor:
-    """1.0 for tokens up to and including the first eos (or all, when none was generated)."""
-    if eos_id is None:
+    """1.0 for tokens up to and including the first stop token (`eos_id`: one id, a list of them,
+    or None: no stop token; all ones when none was generated)."""
+    stops = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    if not stops:
         return torch.ones_like(response_ids, dtype=torch.float32)
-    is_eos = (response_ids == eos_id).long()
+    is_eos = torch.isin(response_ids, torch.tensor(stops, device=response_ids.device)).long()
     after_eos = (is_eos.cumsum(1) - is_eos) > 0  # strictly after the first eos
     return (~after_eos).float()
 
@@ -92,6 +106,9 @@ class HFRollout:
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.suppress_eos = False  # benchmarks: every sequence runs to max_new_tokens
 
+    def stop_ids(self) -> list:
+        return stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+
     def sync_weights(self, model):
         pass  # the loop uses the training model itself
 
@@ -106,6 +123,7 @@ class HFRollout:
         unique_ids, unique_mask = left_pad(prompts, tok.pad_token_id, device)
         rows = unique_ids.shape[0] * n
         want_old = self.record_logprobs and not greedy
+        stops = torch.tensor(self.stop_ids(), dtype=torch.long, device=device)
         was_training = model.training
         model.eval()
         try:
@@ -124,8 +142,7 @@ class HFRollout:
                 tokens.append(nxt)
                 if logp is not None:
                     logps.append(logp)
-                if tok.eos_token_id is not None:
-                    done |= nxt == tok.eos_token_id
+                done |= torch.isin(nxt, stops)
                 if t == self.max_new_tokens - 1 or bool(done.all()):
                     break
                 pos = pos + 1
@@ -140,14 +157,14 @@ class HFRollout:
             response = torch.stack(tokens, dim=1)
         else:
             response = torch.full((rows, 1), tok.pad_token_id, dtype=torch.long, device=device)
-        rmask = response_mask_from(response, tok.eos_token_id)
+        rmask = response_mask_from(response, stops.tolist())
         old = torch.stack(logps, dim=1) * rmask if logps and tokens else None
         return RolloutBatch(ids, mask, response, rmask, old, decode_responses(tok, response, rmask))
 
     def _pick(self, logits, greedy: bool, want_logp: bool, generators=None, n: int = 1):
         """(next token per row, its log-prob under the policy at this temperature or None)."""
-        if self.suppress_eos and self.tokenizer.eos_token_id is not None:
-            logits[:, self.tokenizer.eos_token_id] = float("-inf")
+        if self.suppress_eos:
+            logits[:, self.stop_ids()] = float("-inf")
         if greedy:
             return logits.argmax(dim=-1), None
         logp_all = torch.log_softmax(logits / self.temperature, dim=-1)
@@ -200,7 +217,7 @@ class HFGenerateRollout(HFRollout):
         gen = GenerationConfig(do_sample=not greedy, temperature=self.temperature if not greedy else None,
                                top_p=self.top_p if not greedy else None, top_k=0 if not greedy else None,
                                max_new_tokens=self.max_new_tokens, pad_token_id=tok.pad_token_id,
-                               eos_token_id=tok.eos_token_id)
+                               eos_token_id=self.stop_ids())
         recorder = _RecordLogprobs(self.temperature)
         want_old = self.record_logprobs and not greedy
         was_training = self.model.training
@@ -211,7 +228,7 @@ class HFGenerateRollout(HFRollout):
         response = out[:, ids.shape[1]:]
         if response.shape[1] == 0:
             response = torch.full((ids.shape[0], 1), tok.pad_token_id, dtype=torch.long, device=device)
-        rmask = response_mask_from(response, tok.eos_token_id)
+        rmask = response_mask_from(response, self.stop_ids())
         old = recorder.finish(response[:, -1]) if want_old else None
         if old is not None:
             old = old[:, :response.shape[1]] * rmask

@@ -214,7 +214,11 @@ SCHEMA = Schema("builtin", [
     Float("top_p", 1.0, "nucleus sampling mass", gt=0, le=1),
     Int("max_prompt_length", 512, "prompt tokens kept (left-truncated)", ge=1),
     Int("max_response_length", 256, "response tokens sampled at most", ge=1),
-    Float("vllm_gpu_memory_utilization", 0.4, "share of the GPU vLLM may take (rollout: vllm)", gt=0, le=1),
+    Float("vllm_gpu_memory_utilization", None, "share of the GPU each rank's vLLM engine may take (rollout: vllm); "
+          "null: derived from the memory estimate (the engine's weights and KV cache for the rank's rollout, "
+          "within what training leaves)", gt=0, le=1, nullable=True),
+    Int("vllm_tensor_parallel_size", 1, "GPUs that share one vLLM engine (rollout: vllm): 1, one engine per GPU; "
+        "more for a model whose weights and KV cache do not fit one GPU (must divide the ranks)", ge=1),
     # --- evaluation
     Bool("eval_before", True, "evaluate on the val split before training (segment 1 only)"),
     Bool("eval_after", True, "evaluate after the last step"),
@@ -234,8 +238,8 @@ SCHEMA = Schema("builtin", [
     # --- several processes (torchrun sets WORLD_SIZE; without it the trainer is one process)
     Choice("parallel", "auto", ("auto", "ddp", "fsdp"),
            "with several ranks: ddp (a full copy of model and AdamW state per rank, gradients all-reduced); "
-           "fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and AdamW state sharded; rollout and "
-           "eval on weights gathered for the phase; each rank writes and reads its part of every checkpoint, whole tensors any world size loads); auto: ddp"),
+           "fsdp (FSDP2 fully_shard per decoder layer: weights, gradients and AdamW state sharded; HF rollout and "
+           "eval on weights gathered for the phase, vLLM's weights streamed to it a tensor at a time; each rank writes and reads its part of every checkpoint, whole tensors any world size loads); auto: ddp"),
     Float("dist_timeout_s", 300.0, "longest any collective may wait for a peer before the rank fails (bounds a hang "
           "on a stuck peer; a dead peer's closed connection fails at once)", gt=0),
     Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",

@@ -484,3 +484,35 @@ def test_ddp_ranks_that_see_different_newest_checkpoints_fail_in_one_line(one_ra
     assert line in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr.split(line)[0][-2000:]
     assert (run_dir / "trainer_error.txt").read_text().startswith("the ranks see different newest checkpoints")
+
+
+def test_the_vllm_weight_sync_streams_one_tensor_at_a_time_after_freeing_the_gradients(tmp_path):
+    """Issue 27, item 3: the sync to each rank's vLLM engine held the whole float32 state_dict
+    (gathered on every rank) beside the gradients; streamed, it holds about one tensor in the
+    compute dtype (two while the engine copies one and the next is gathered: memory.sync_bytes),
+    and the gradients are freed first. Measured by tests/rl/sync_check.py with an engine test
+    double that checks every weight arrived right."""
+    from hpcrl.rl import memory
+    from hpcrl.rl.tiny import build_tiny_model
+
+    from rl_helpers import REPO, trainer_env
+
+    model_dir = build_tiny_model(tmp_path / "model", hidden_size=64, layers=2, heads=2, max_int=200)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests" / "rl" / "sync_check.py"), str(model_dir)],
+                          env=trainer_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = re.findall(r"rank (\d): peak (\d+) largest (\d+) wrong (\d+)", proc.stdout)
+    assert len(got) == 2, proc.stdout
+    model_bytes = sum(p.numel() * 4 for p in policy_params(model_dir))
+    for _, peak, largest, wrong in got:
+        assert int(wrong) == 0
+        assert int(peak) <= memory.sync_bytes(int(largest) // 2, "bfloat16"), (peak, largest)
+        assert int(peak) < model_bytes / 4  # the old path: the whole float32 model (and the gradients' shards)
+
+
+def policy_params(model_dir):
+    from hpcrl.rl import policy
+
+    model, _ = policy.load_policy(model_dir, torch.device("cpu"))
+    return list(model.parameters())

@@ -162,10 +162,27 @@ def test_a_run_with_gradient_checkpointing_trains(tmp_path, rows_per_forward, ca
     assert trainer.model.training  # the rollout's eval mode did not stick
 
 
-# Qwen2.5's shapes (config.json: hidden, intermediate, layers; parameter counts with tied embeddings)
-QWEN = {"0.5B": (896, 4864, 24, 494_032_768), "1.5B": (1536, 8960, 28, 1_543_714_304),
-        "3B": (2048, 11008, 36, 3_085_938_688)}
+# Qwen2.5's shapes (config.json: hidden, intermediate, layers, attention heads, KV heads; parameter
+# counts with tied embeddings; the largest tensor: the embedding, vocabulary x hidden)
+QWEN = {"0.5B": (896, 4864, 24, 14, 2, 494_032_768), "1.5B": (1536, 8960, 28, 12, 2, 1_543_714_304),
+        "3B": (2048, 11008, 36, 16, 2, 3_085_938_688)}
 A100_40 = int(40_536 * 2 ** 20)  # a Perlmutter GPU as nvidia-smi counts it (40,536 MiB)
+
+
+def _recipe(name):
+    import yaml
+
+    from hpcrl.rl import config
+
+    spec = yaml.safe_load((Path(memory.__file__).parents[1] / "recipes" / f"{name}.yaml").read_text())
+    args, ranks = spec["args"], spec.get("resources", {}).get("gpus_per_node", 4)
+    size = next(k for k in QWEN if k.lower() + "-" in args["model"].lower() or k.lower() in args["model"].lower())
+    h, i, layers, heads, kv, params = QWEN[size]
+    shape = types.SimpleNamespace(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, vocab_size=151_936,
+                                  num_attention_heads=heads, num_key_value_heads=kv)
+    rest = params - 151_936 * h  # the embedding (the largest tensor), then tensors of at most hidden x intermediate
+    numels = [151_936 * h] + [h * i] * (rest // (h * i)) + [rest % (h * i)]
+    return config.resolve({k: v for k, v in args.items() if k != "model"}), ranks, shape, numels
 
 
 @pytest.mark.parametrize("name", ["gsm8k-grpo", "gsm8k-gspo", "countdown-grpo", "mbpp-code-grpo",
@@ -173,27 +190,40 @@ A100_40 = int(40_536 * 2 ** 20)  # a Perlmutter GPU as nvidia-smi counts it (40,
 def test_every_gpu_recipe_fits_a_perlmutter_a100_by_the_estimate(name):
     """Written after the recipes' comments were found to count bf16 weights and AdamW (2-4 bytes a
     parameter) after float32 masters made it 16, and activations of 8 rows of 1024-1280 tokens as
-    'a few GB' (the estimate: 25-80 GiB): four of the five did not fit."""
-    import yaml
+    'a few GB' (the estimate: 25-80 GiB): four of the five did not fit. Since issue 27 it counts
+    the rank's vLLM engine (weights in the compute dtype, KV cache, overhead; resident the whole
+    time) and the weight sync's peak (one tensor gathered whole), each beside the model state."""
+    args, ranks, shape, numels = _recipe(name)
+    assert args["rollout"] == "vllm" and args["micro_batch_size"] >= 1
+    sharded = args["parallel"] == "fsdp"
+    chunk = args["logit_chunk_tokens"] or policy.LOGIT_CHUNK_BYTES // (151_936 * memory.LOGIT_BYTES)
+    share, util = memory.engine_plan(shape, numels, args, ranks, sharded, args["beta"] > 0, A100_40, chunk)
+    state = memory.state_bytes(sum(numels), ranks if sharded else 1, args["beta"] > 0)
+    weights = sum(numels) * 2 // args["vllm_tensor_parallel_size"]
+    assert share >= weights + memory.ENGINE_OVERHEAD + 256 * memory.kv_bytes_per_token(shape, args["dtype"])
+    assert util == pytest.approx(share / A100_40, abs=0.01)
+    train = state + memory.pass_bytes(shape, args["micro_batch_size"], args["max_prompt_length"],
+                                      args["max_response_length"], args["dtype"], args["gradient_checkpointing"], chunk)
+    sync = state + memory.sync_bytes(max(numels), args["dtype"])
+    used = share + max(train, sync)
+    assert used <= memory.SAFETY * A100_40, f"{name}: {used / GIB:.1f} GiB of {A100_40 / GIB:.1f}"
 
-    spec = yaml.safe_load((Path(memory.__file__).parents[1] / "recipes" / f"{name}.yaml").read_text())
-    args, ranks = spec["args"], spec.get("resources", {}).get("gpus_per_node", 4)
-    size = next(k for k in QWEN if k.lower() + "-" in args["model"].lower() or k.lower() in args["model"].lower())
-    h, i, layers, params = QWEN[size]
-    shape = types.SimpleNamespace(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, vocab_size=151_936)
-    state = memory.state_bytes(params, ranks if args.get("parallel") == "fsdp" else 1, args.get("beta", 0) > 0)
-    vllm = args.get("vllm_gpu_memory_utilization", 0.4) * A100_40 if args.get("rollout") == "vllm" else 0
-    chunk = args.get("logit_chunk_tokens") or policy.LOGIT_CHUNK_BYTES // (151_936 * memory.LOGIT_BYTES)
-    assert args["micro_batch_size"] >= 1
-    used = state + vllm + memory.pass_bytes(shape, args["micro_batch_size"], args["max_prompt_length"],
-                                            args["max_response_length"], args["dtype"],
-                                            args.get("gradient_checkpointing", False), chunk)
-    assert used <= 0.92 * A100_40, f"{name}: {used / GIB:.1f} GiB of {A100_40 / GIB:.1f}"
+
+def test_the_engine_share_is_what_it_wants_within_what_training_leaves():
+    args, ranks, shape, numels = _recipe("tinyzero-countdown-builtin")
+    small = {**args, "batch_size": 4, "eval_batch_size": 4}
+    chunk = policy.LOGIT_CHUNK_BYTES // (151_936 * memory.LOGIT_BYTES)
+    want = memory.engine_bytes(shape, sum(numels), "bfloat16", 5, 1280)
+    assert memory.engine_plan(shape, numels, small, ranks, True, True, A100_40, chunk)[0] == want
+    share, _ = memory.engine_plan(shape, numels, args, ranks, True, True, A100_40, chunk)
+    assert share < memory.engine_bytes(shape, sum(numels), "bfloat16", 64 * 5, 1280)  # capped by training
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size"):  # 3B unsharded beside its engine
+        memory.engine_plan(shape, numels, args, 1, False, True, A100_40, chunk)
 
 
 def test_ddp_of_a_15b_model_beside_vllm_cannot_fit_a_40gb_gpu():
     """Why the 1.5B recipes shard: the whole float32 state and the reference exceed what vLLM leaves."""
-    assert memory.state_bytes(QWEN["1.5B"][3], 1, reference=True) + 0.3 * A100_40 > A100_40
+    assert memory.state_bytes(QWEN["1.5B"][-1], 1, reference=True) + 0.3 * A100_40 > A100_40
 
 
 @pytest.mark.parametrize("group", [1, 3])

@@ -310,3 +310,44 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert torch.allclose(counts, probs[0], atol=0.015)
     unnormalised = torch.tensor([[0.0, 0.0, 2.0], [3.0, 0.0, 0.0]])  # top-p leaves rows unnormalised
     assert _sample(unnormalised).tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("engine", [HFRollout, HFGenerateRollout])
+def test_a_response_ending_in_a_second_stop_token_is_masked_there(tmp_path, engine):
+    """Qwen2.5-Instruct's generation config stops at <|im_end|> or <|endoftext|>, and the latter is
+    also its pad token: a response ending in the second stop token must be masked right after it
+    (not all ones: padding in the loss), and the sampling loops must stop there as vLLM does."""
+    import copy
+
+    # a fresh model (the module's is trained by other tests, and its greedy output may repeat one token)
+    model, tok = policy.load_policy(build_tiny_model(tmp_path / "m", hidden_size=32, layers=1, heads=2, max_int=60),
+                                    torch.device("cpu"))
+    prompts = [tok(PROMPTS[0]).input_ids]
+    plain = engine(model, tok, max_new_tokens=8).generate(prompts, greedy=True)
+    ids = plain.response_ids[0].tolist()
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i] and ids[i] != tok.eos_token_id)
+    second = ids[k]
+    qwen_like = copy.deepcopy(tok)
+    qwen_like.pad_token = tok.convert_ids_to_tokens(second)  # pad == the second stop token
+    config = copy.deepcopy(model.generation_config)
+    model.generation_config.eos_token_id = [tok.eos_token_id, second]
+    try:
+        batch = engine(model, qwen_like, max_new_tokens=8).generate(prompts, greedy=True)
+    finally:
+        model.generation_config = config
+    assert batch.response_ids[0, :k + 1].tolist() == ids[:k + 1]
+    assert batch.response_mask[0].tolist() == [1.0] * (k + 1) + [0.0] * (batch.response_ids.shape[1] - k - 1)
+    assert batch.texts[0] == tok.decode(ids[:k + 1], skip_special_tokens=True)
+
+
+def test_the_stop_ids_are_the_generation_configs_and_the_tokenizers():
+    from types import SimpleNamespace
+
+    from hpcrl.rl.rollout import stop_token_ids
+
+    tok = SimpleNamespace(eos_token_id=7)
+    assert stop_token_ids(tok, SimpleNamespace(eos_token_id=[9, 7])) == [7, 9]
+    assert stop_token_ids(tok, SimpleNamespace(eos_token_id=4)) == [4, 7]
+    assert stop_token_ids(tok, None) == [7]
+    ids = torch.tensor([[5, 9, 7, 7], [5, 7, 9, 9], [1, 2, 3, 4]])
+    assert response_mask_from(ids, [7, 9]).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
