@@ -184,14 +184,37 @@ def test_a_parser_built_for_one_command_parses_it_as_the_full_parser_does():
 
 
 # Modules the CLI loads only where a command needs them (kept out of start-up for speed); not timed.
+# render: yaml once its files are in the cache (hpcrl/yamlcache.py), subprocess and socket never.
 LAZY = {("--help",): ("ast", "json", "yaml", "jinja2", "hpcrl.spec", "hpcrl.report", "hpcrl.launch"),
-        ("status",): ("ast", "yaml", "jinja2", "hpcrl.spec", "hpcrl.launch", "hpcrl.render")}
+        ("status",): ("ast", "yaml", "jinja2", "hpcrl.spec", "hpcrl.launch", "hpcrl.render", "subprocess"),
+        ("render", "--trainer", "smoke"): ("yaml", "subprocess", "socket", "selectors")}
 
 
 @pytest.mark.parametrize("argv", sorted(LAZY))
 def test_start_up_does_not_import_what_the_command_does_not_need(home, argv):
+    hpcrl(*argv)  # the first one fills the caches
     code = ("import sys, io, contextlib\nfrom hpcrl.cli import main\nwith contextlib.redirect_stdout(io.StringIO()):\n"
             "    try:\n        main(%r)\n    except SystemExit:\n        pass\n"
             "print('LOADED=' + ','.join(m for m in %r if m in sys.modules))" % (list(argv), LAZY[argv]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "LOADED=", out
+
+
+def test_yaml_cache_gives_back_what_yaml_read_and_keeps_only_what_json_round_trips(home, tmp_path):
+    import yaml
+
+    from hpcrl import spec, yamlcache
+
+    f = tmp_path / "s.yaml"
+    f.write_text("trainer: smoke\nargs: {steps: 3, lr: 1.0e-6, flag: true, name: 'x: y'}\nlist: [1, 2.5, null]\n")
+    first = spec.load_yaml(f, "spec file")
+    assert first == yaml.safe_load(f.read_text()) and yamlcache.get(f.read_text()) == first
+    assert spec.load_yaml(f, "spec file") == first
+    f.write_text("trainer: smoke\nargs: {steps: 4}\n")  # changed text: read afresh, never the old one
+    assert spec.load_yaml(f, "spec file") == {"trainer": "smoke", "args": {"steps": 4}}
+    for text in ("when: 2024-01-01\n", "args: {1: one}\n", "x: !!set {a}\n"):  # not JSON's: not kept
+        f.write_text(text)
+        assert spec.load_yaml(f, "spec file") == yaml.safe_load(text) and yamlcache.get(text) is None
+    f.write_text("trainer: [smoke\n")  # a cached file never hides an error in an edited one
+    with pytest.raises(Exception, match="is not valid YAML"):
+        spec.load_yaml(f, "spec file")
