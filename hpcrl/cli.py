@@ -21,6 +21,26 @@ class _Parser(argparse.ArgumentParser):
         print(f"hpcrl: error: {where + ': ' if where else ''}{message}; see `{self.prog} --help`", file=sys.stderr)
         sys.exit(2)
 
+    def _get_formatter(self):
+        # argparse makes a formatter for every add_argument (to check its metavar), and its own
+        # finds the width with shutil.get_terminal_size: importing shutil (bz2, lzma) cost `status`
+        # more than building its parser. The same width, as shutil computes it, without shutil.
+        return self.formatter_class(prog=self.prog, width=_columns() - 2)
+
+
+def _columns() -> int:
+    """shutil.get_terminal_size().columns: $COLUMNS, else stdout's terminal, else 80."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns > 0:
+        return columns
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):
+        return 80
+
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", help="spec file (default: ./hpcrl.yaml if present)")
