@@ -185,6 +185,9 @@ def cmd_logs(ns) -> int:
         raise HpcrlError(f"--interval {ns.interval}: must be a number of seconds between 0 and 86400 (a day)")
     run = runs.Run.by_id(ns.run)
     launch.follow(run, interval_s=ns.interval, keep_going=ns.follow)  # e.g. TPU: logs copied from the bucket
+    if ns.segment is None and not ns.follow:  # the whole run, as the help says
+        report.print_all(run, sys.stdout)
+        return 0
     index = report.pick_segment(run.state(), ns.segment)
     try:
         if ns.follow and _terminal():
@@ -261,6 +264,19 @@ def cmd_cancel(ns) -> int:
     return 0
 
 
+def cmd_stop(ns) -> int:
+    from . import launch
+
+    run = launch.stop(ns.run)
+    state = run.state()
+    if state["state"] == "STOPPED":
+        print(f"stopped run {run.id}: {state['reason']}")
+    else:
+        print(f"stopping run {run.id}: its segment saves a checkpoint and exits; nothing runs after it "
+              f"(`hpcrl status {run.id}` shows STOPPED once saved; `hpcrl resume {run.id}` continues)")
+    return 0
+
+
 def cmd_sites(ns) -> int:
     import json
 
@@ -296,14 +312,17 @@ def cmd_doctor(ns) -> int:
     from .spec import site_as_given
 
     site = site_as_given(ns.site, ns.account, ns.sets)
-    spec, trainer = None, ns.trainer
-    if ns.spec:  # the venv of this spec: its trainer, arguments and requirements
+    spec, trainer, spec_file = None, ns.trainer or "builtin", ns.spec
+    if spec_file is None and not ns.trainer and os.path.exists("hpcrl.yaml"):
+        spec_file = "hpcrl.yaml"  # as render and submit find it
+    if spec_file:  # the venv of this spec: its trainer, arguments and requirements
         from .spec import resolve
 
-        spec = resolve(ns.spec, ns.site, ns.sets, {"account": ns.account})["spec"]
+        spec = resolve(spec_file, ns.site, ns.sets, {"account": ns.account})["spec"]
         trainer = spec["trainer"]
-    checks = doctor.run_checks(site, trainer=trainer, spec=spec, spec_file=ns.spec)
-    print(f"hpcrl doctor: site {site['name']} ({site['scheduler']})")
+    checks = doctor.run_checks(site, trainer=trainer, spec=spec, spec_file=spec_file)
+    what = f"spec {spec_file}" if spec_file else f"trainer {trainer} (its defaults; no ./hpcrl.yaml here)"
+    print(f"hpcrl doctor: site {site['name']} ({site['scheduler']}), {what}")
     print(doctor.format_checks(checks))
     return 1 if any(c.status == "fail" for c in checks) else 0
 
@@ -334,7 +353,8 @@ def cmd_plot(ns) -> int:
     from . import plot, runs
 
     run_list = [runs.Run.by_id(r) for r in ns.runs]
-    out = ns.out or f"{'-vs-'.join(r.id for r in run_list)}.png"
+    # into the (first) run's directory: not an untracked PNG in whatever clone the user stands in
+    out = ns.out or str(run_list[0].dir / f"{'-vs-'.join(r.id for r in run_list)}.png")
     drawn = plot.plot(run_list, out, ns.metric or None)
     print(f"wrote {out} ({', '.join(p['title'] for p in drawn['panels'])})")
     return 0
@@ -458,7 +478,7 @@ def build_parser(listing: bool = False, only: str | None = None) -> argparse.Arg
     sp = sub.add_parser("logs", help="print or follow (-f) a run's log across its segments")
     sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("-f", "--follow", action="store_true", help="follow live, moving on to each next segment")
-    sp.add_argument("--segment", type=int, help="segment K (default: the newest)")
+    sp.add_argument("--segment", type=int, help="segment K only (default: every segment; with -f from the newest)")
     sp.add_argument("--interval", type=float, default=30.0, help="TPU runs: seconds between copies from the bucket (default 30)")
     sp.set_defaults(func=cmd_logs)
     sp = sub.add_parser("watch", help="keep a run going: poll it, start next segments, re-create preempted TPU VMs")
@@ -475,6 +495,9 @@ def build_parser(listing: bool = False, only: str | None = None) -> argparse.Arg
     sp.add_argument("--set", dest="sets", action="append", default=[], metavar="resources.KEY=VALUE",
                     help="other resources of the next segments, e.g. resources.ranks_per_node=2")
     sp.set_defaults(func=cmd_resume)
+    sp = sub.add_parser("stop", help="save a checkpoint now and stop (as at a walltime); `hpcrl resume` continues")
+    sp.add_argument("run", help=RUN_HELP)
+    sp.set_defaults(func=cmd_stop)
     sp = sub.add_parser("cancel", help="cancel a run's running and queued jobs")
     sp.add_argument("run", help=RUN_HELP)
     sp.set_defaults(func=cmd_cancel)
@@ -482,10 +505,11 @@ def build_parser(listing: bool = False, only: str | None = None) -> argparse.Arg
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_sites)
     sp = sub.add_parser("doctor", help="preflight a site before the first big submission (run it on the login node)")
-    sp.add_argument("spec", nargs="?", help="spec file whose venv to check (default: the --trainer's defaults)")
+    sp.add_argument("spec", nargs="?", help="spec file whose venv to check (default: ./hpcrl.yaml, as render "
+                                            "and submit; else the --trainer's defaults)")
     sp.add_argument("--site", help="site profile (default: local)")
     sp.add_argument("--account", help="account to check (default: the site's, or $HPCRL_ACCOUNT)")
-    sp.add_argument("--trainer", default="builtin", help="trainer whose Python requirement to check (default builtin)")
+    sp.add_argument("--trainer", help="trainer whose venv to check when there is no spec (default builtin)")
     sp.add_argument("--set", dest="sets", action="append", default=[], metavar="site.KEY=VALUE",
                     help="override a site value for the checks; repeatable")
     sp.set_defaults(func=cmd_doctor)
@@ -499,7 +523,7 @@ def build_parser(listing: bool = False, only: str | None = None) -> argparse.Arg
     sp.add_argument("runs", nargs="+", metavar="RUN", help="one run, or several to compare on the same axes (ids or unique prefixes)")
     sp.add_argument("--metric", action="append", metavar="NAME",
                     help="a metrics key to plot (repeatable; default: reward, KL, loss, response length)")
-    sp.add_argument("--out", help="PNG file to write (default: RUN.png here)")
+    sp.add_argument("--out", help="PNG file to write (default: RUN.png in the (first) run's directory)")
     sp.set_defaults(func=cmd_plot)
     sp = sub.add_parser("export", help="the trained model as a Hugging Face directory (from_pretrained loads it)")
     sp.add_argument("run", help=RUN_HELP)

@@ -36,6 +36,7 @@ def run_checks(site: dict, trainer: str = "builtin", spec: dict | None = None, e
     if backend.jobs_share_this_environment:
         checks += _paths(site, in_job=_in_job(environ))
         checks += _modules_and_python(site, get_trainer(trainer))
+        checks += hooks_python(site)
         checks += _venv(site, spec or {"trainer": trainer, "args": {}, "requirements": []}, _in_job(environ),
                         spec_file)
     else:  # the job's modules, Python and venvs are on another machine: only the run dirs are here
@@ -168,3 +169,43 @@ def format_checks(checks: list[Check]) -> str:
     warns = sum(c.status == "warn" for c in checks)
     lines.append(f"{len(checks)} checks: {len(checks) - fails - warns} passed, {warns} warned, {fails} failed")
     return "\n".join(lines)
+
+
+# Directories a compute node has its own of (or none): an interpreter there is not the job's.
+NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/local", "/scratch/local")
+
+
+def hooks_python(site: dict, executable: str | None = None, prefix: str | None = None) -> list[Check]:
+    """The rendered script runs hpcrl's own hooks (`_segment begin/end`) with site.hpcrl_python
+    or the interpreter hpcrl runs in here: on a site whose jobs run on other nodes, that path
+    must be on a file system they mount, not this machine's /tmp or node-local disk."""
+    import sys
+
+    if site.get("scheduler") == "local":
+        return []
+    given = site.get("hpcrl_python")
+    path = os.path.abspath(given or executable or sys.executable)
+    where = [path] if given else [path, os.path.abspath(prefix or sys.prefix)]  # a venv: its dir too
+    local = next((p for p in where if _node_local(p)), None)
+    if local is None:
+        return [Check("hooks python", "pass", f"{path} (runs hpcrl's segment hooks in the job)")]
+    return [Check("hooks python", "fail", f"{path}: the job runs hpcrl's segment hooks with it, but {local} is on "
+                                          f"{_node_local(local)}, which compute nodes do not share",
+                  "install hpcrl into a venv on a shared file system ($HOME, /global/common/software/PROJECT) and "
+                  "run hpcrl from it, or --set site.hpcrl_python=PATH of such an interpreter")]
+
+
+def _node_local(path: str) -> str | None:
+    """What makes `path` node-local (its directory or its file system's type), or None."""
+    for top in NODE_LOCAL:
+        if path == top or path.startswith(top + "/"):
+            return top
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    best = max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return f"a {best[1]} file system ({best[0]})" if best and best[1] in ("tmpfs", "ramfs") else None
+

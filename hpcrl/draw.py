@@ -22,7 +22,8 @@ from . import report
 
 STATE_STYLES = {"RUNNING": "green", "CHECKPOINTING": "cyan", "RESUBMITTED": "cyan", "PENDING": "yellow",
                 "COMPLETED": "bold green", "COMPLETE": "bold green", "CONTINUE": "cyan", "FAILED": "bold red",
-                "LOST": "red", "CANCELLED": "magenta", "STOPPED": "yellow", "QUEUED": "yellow", "SKIPPED": "dim"}
+                "LOST": "red", "CANCELLED": "magenta", "STOPPED": "yellow", "QUEUED": "yellow", "SKIPPED": "dim",
+                "UNNEEDED": "dim"}
 # columns of the status table a narrow terminal leaves out, first to go first
 NARROW_DROP = (("JOB", 0), ("SITE", 0))
 VERY_NARROW_DROP = ("USED", "CHECKPOINT", "ETA")  # when even the whole RUN and a cut LAST METRIC do not fit

@@ -209,10 +209,10 @@ def submit(resolved: dict, run_id: str | None = None) -> Run:
                                                           world_size(resolved["spec"]["resources"]))
     if run_id is not None and run_id in runs.registered_ids():  # before a long venv build, not after
         raise RunError(f"run '{run_id}' already exists; `hpcrl resume {run_id}` continues it, or pick another --name")
-    check_trainer_imports(resolved)
     # On the login side, before anything of the run exists: the job only activates it (compute
     # nodes may mount venv_root read-only), and a failed build leaves no run behind.
     build_venv(resolved)
+    check_trainer_imports(resolved)  # in the interpreter the job will run, now that it exists
     run = create_run(resolved, run_id)
     try:
         with run.locked() as state:
@@ -237,12 +237,20 @@ def asked_of(resolved: dict) -> dict:
 
 
 def check_trainer_imports(resolved: dict) -> None:
-    """What the job's interpreter must import, checked at submit where that interpreter is this
-    machine's and exists already (not a venv the first segment builds, not a TPU VM's)."""
+    """What the job would trip on at its start (the reward imports, the data's columns and rows,
+    the model directory), checked at submit in the job's own interpreter: the run's venv (built on
+    this side already), site.trainer_python or hpcrl's. Only where the job sees this machine's
+    files and interpreters (not a TPU VM's)."""
     site, spec = resolved["site"], resolved["spec"]
-    if not for_site(site).jobs_share_this_environment or venv_path(site, requirements(resolved)):
+    if not for_site(site).jobs_share_this_environment:
         return
-    python = shutil.which(site.get("trainer_python") or site.get("hpcrl_python") or sys.executable)
+    venv = venv_path(site, requirements(resolved))
+    if venv:
+        python = os.path.join(venv, "bin", "python")
+        if not os.access(python, os.X_OK):
+            return  # not built (a dry run); the job says so itself
+    else:
+        python = shutil.which(site.get("trainer_python") or site.get("hpcrl_python") or sys.executable)
     if python:
         env = {**os.environ, **{str(k): str(v) for k, v in (spec.get("env") or {}).items()}}
         get_trainer(spec["trainer"]).check_python(spec["args"], python, env)
@@ -375,7 +383,8 @@ def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
         actions = lifecycle.end(state, str(job_id), rc, step, clock(), obeys_protocol=_trainer(run, spec).obeys_protocol,
                                 chains=not backend.reconciles_outside_job, exit_complete=protocol.EXIT_COMPLETE,
                                 exit_continue=protocol.EXIT_CONTINUE, error_tail=lambda: error_tail(run, state),
-                                error=protocol.take_error(run.dir))
+                                error=protocol.take_error(run.dir), trained=_trained(run, state, str(job_id)),
+                                own_tail=_own_tail(run, str(job_id)))
         run.layout.checkpointing_flag.unlink(missing_ok=True)
         try:
             _carry_out(run, state, actions, backend)
@@ -384,6 +393,22 @@ def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
             until = _job_end_from_env(spec, environ)
             lifecycle.successor_failed(state, str(e), clock(), until=until)
     keep_successor(run_dir, job_id, until)
+
+
+def _trained(run: Run, state: dict, job_id: str) -> bool | None:
+    """Whether the segment logged a training step (its metrics records carry its number)."""
+    from .results import read_records, segment_timings
+
+    seg = lifecycle.segment_by_job(state, job_id)
+    if seg is None or not seg.get("k"):
+        return None
+    return seg["k"] in segment_timings(read_records(run.layout.metrics))
+
+
+def _own_tail(run: Run, job_id: str) -> str | None:
+    """The last line of this segment's own log that is the trainer's (not hpcrl's)."""
+    tail = error_tail(run, {"segments": [{"job_id": job_id}]}, lines=1)
+    return None if tail == "(no log output)" else tail
 
 
 def error_tail(run: Run, state: dict, lines: int = 3) -> str:
@@ -409,6 +434,20 @@ def cancel(run_id: str) -> Run:
     cancels = [j for a in actions if isinstance(a, Cancel) for j in a.job_ids]
     if cancels:
         backend_for(run).cancel(cancels, run)
+    return run
+
+
+def stop(run_id: str) -> Run:
+    """`hpcrl stop`: the running segment checkpoints and exits as at its walltime (the backend
+    signals it the same way), nothing is queued after it; the run ends STOPPED, resumable."""
+    run = Run.by_id(run_id)
+    backend = backend_for(run)
+    with run.locked() as state:
+        actions, running = lifecycle.stop(state, clock())
+        _carry_out(run, state, actions, backend)
+    if running:
+        backend.checkpoint_stop(list(running), run)
+    backend.after_change(run)
     return run
 
 

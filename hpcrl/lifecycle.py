@@ -48,7 +48,8 @@ class SegState(str, enum.Enum):
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     SKIPPED = "SKIPPED"      # started, found nothing to do, exited at once
-    CANCELLED = "CANCELLED"  # never ran
+    CANCELLED = "CANCELLED"  # never ran: cancelled by the user
+    UNNEEDED = "UNNEEDED"    # never ran: the run ended (complete, budget, failure) before it started
     CONTINUE = "CONTINUE"    # stopped for continuation (checkpointed before the walltime)
     COMPLETE = "COMPLETE"    # finished the training
     FAILED = "FAILED"
@@ -70,6 +71,8 @@ class Stop(str, enum.Enum):
     QUEUE_FAILED = "queue_failed"    # the next segment could not be submitted
     RETRIES = "retries"              # preempted or lost too often in a row (watched backends)
     BACKEND_FAILED = "backend_failed"  # the scheduler failed the job itself (a TPU queued resource)
+    REPEATED = "repeated"            # failed before its first step with its predecessor's error
+    USER_STOP = "user_stop"          # `hpcrl stop`: saved and stopped, to be resumed
 
 
 CRASH_LOOP_SEGMENTS = 2  # segments in a row without checkpoint progress that fail a run
@@ -196,12 +199,16 @@ _TEXT = {  # what a person reads for each stop reason (fields of the stop record
     Stop.RETRIES: ("queued resource preempted or lost {retries} times in a row (site.max_retries={limit}); "
                    "`hpcrl resume {run_id}` tries again"),
     Stop.BACKEND_FAILED: "{error}",
+    Stop.USER_STOP: "stopped by the user at checkpoint step {step}; `hpcrl resume {run_id}` continues from it",
+    Stop.REPEATED: ("segment {k} failed before its first step with the error segment {prev} had: {error}; "
+                    "another segment would fail the same way: fix it, then `hpcrl resume {run_id}`"),
 }
 
 
 def describe(stop: dict, run_id: str = "RUN") -> str:
     """The text a person reads for a stop reason."""
-    fields = {"error": "(no log output)", **{k: v for k, v in stop.items() if v is not None}, "run_id": run_id}
+    given = {k: v for k, v in stop.items() if v is not None}
+    fields = {"error": "(no log output)", "step": "none (it starts over)", **given, "run_id": run_id}
     return _TEXT[Stop(stop["kind"])].format(**fields)
 
 
@@ -224,12 +231,13 @@ def mark_lost(state: dict, seg: dict, step: int | None, why: str, now: float) ->
     add_event(state, f"segment {seg.get('k') or '-'} (job {seg.get('job_id')}) {why}", now)
 
 
-def cancel_queued(state: dict, now: float, why: str | None = None) -> list:
-    """Close every queued segment as CANCELLED (the one place); the Cancel action for them."""
+def cancel_queued(state: dict, now: float, why: str | None = None, as_state: SegState = SegState.CANCELLED) -> list:
+    """Close every queued segment as CANCELLED, or UNNEEDED when the run ended by itself (the one
+    place); the Cancel action for them."""
     ids = []
     for seg in state["segments"]:
         if seg_state(seg) == SegState.QUEUED:
-            seg.update(state=SegState.CANCELLED.value, ended=now)
+            seg.update(state=as_state.value, ended=now)
             if why:
                 seg["reason"] = why
             ids.append(seg["job_id"])
@@ -243,11 +251,13 @@ def finish(state: dict, stop: dict, now: float, run_id: str = "RUN", error_tail=
         kind = Stop(stop["kind"])
         if kind is Stop.CRASH_LOOP and error_tail is not None and "error" not in stop:
             stop = {**stop, "error": error_tail()}
-        final = {Stop.COMPLETE: RunState.COMPLETED, Stop.CRASH_LOOP: RunState.FAILED,
+        final = {Stop.COMPLETE: RunState.COMPLETED, Stop.CRASH_LOOP: RunState.FAILED, Stop.REPEATED: RunState.FAILED,
                  Stop.BACKEND_FAILED: RunState.FAILED, Stop.CANCELLED: RunState.CANCELLED}.get(kind, RunState.STOPPED)
         _set(state, final, describe(stop, run_id), stop)
         add_event(state, f"run {final.value.lower()}: {state['reason']}", now)
-    return cancel_queued(state, now)
+    if stop_kind(state) in (Stop.CANCELLED, Stop.USER_STOP):
+        return cancel_queued(state, now)
+    return cancel_queued(state, now, why=f"not needed: the run is {state['state'].lower()}", as_state=SegState.UNNEEDED)
 
 
 def _state_stop(state: dict) -> dict | None:
@@ -273,7 +283,7 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
         # still RUNNING while another starts: it ended without its end hook
         if other is not seg and other.get("state") == SegState.RUNNING.value:
             mark_lost(state, other, step, "ended without its end hook", now)
-    stop = _state_stop(state) or budget_stop(state)
+    stop = _state_stop(state) or _user_stop(state, step) or budget_stop(state)
     if stop:
         seg.update(state=SegState.SKIPPED.value, started=None, ended=now, reason=describe(stop, state["run_id"]))
         return seg, finish(state, stop, now, state["run_id"])
@@ -283,7 +293,8 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
     # A requeued job's successor, queued by its first start, still waits for it (afterany counts
     # the job's final end, not a requeue): one successor per segment, however often it starts.
     successor = any(seg_state(s) == SegState.QUEUED and s.get("after") == str(job_id) for s in state["segments"])
-    return seg, ([Queue(after=str(job_id))] if chains and not successor and budget_stop(state) is None else [])
+    wanted = chains and not successor and budget_stop(state) is None and not state.get("stop_requested")
+    return seg, ([Queue(after=str(job_id))] if wanted else [])
 
 
 def _requeued(state: dict, seg: dict, step: int | None, now: float) -> None:
@@ -314,7 +325,7 @@ def successor_failed(state: dict, error: str, now: float, until: float) -> None:
 def needs_successor(state: dict, job_id: str) -> list:
     """What a job that keeps trying should submit now: its successor, or nothing (the run ended,
     or a successor is queued already)."""
-    if not is_active(state) or not state.get("successor_pending"):
+    if not is_active(state) or not state.get("successor_pending") or state.get("stop_requested"):
         return []
     if any(seg_state(s) == SegState.QUEUED for s in state["segments"]):
         state["successor_pending"] = None
@@ -323,9 +334,12 @@ def needs_successor(state: dict, job_id: str) -> list:
 
 
 def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obeys_protocol: bool,
-        chains: bool, exit_complete: int, exit_continue: int, error_tail=None, error: str | None = None) -> list:
+        chains: bool, exit_complete: int, exit_continue: int, error_tail=None, error: str | None = None,
+        trained: bool | None = None, own_tail: str | None = None) -> list:
     """The trainer of a segment exited with `rc` (`_segment end`). Returns the actions.
-    error: the reason the trainer itself gave for failing (protocol.ERROR_FILE), if any."""
+    error: the reason the trainer itself gave for failing (protocol.ERROR_FILE), if any.
+    trained: whether the segment logged a training step (None: unknown, judged as trained);
+    own_tail: the last line of this segment's own log (what a failure without a reason said)."""
     seg = segment_by_job(state, job_id)
     if seg is None or seg_state(seg) != SegState.RUNNING:
         return []
@@ -344,7 +358,10 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
         error_tail = lambda: error  # noqa: E731 - the trainer's own words beat its log's last lines
     add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}"
               + (f": {error}" if not ok and error else ""), now)
-    stop = _state_stop(state) or budget_stop(state)
+    repeated = None if ok else _repeated(state, seg, trained, error or own_tail)
+    if state.get("stop_requested"):
+        seg["user_stop"] = True  # ended early on request: its walltime was not what it lost
+    stop = _state_stop(state) or _user_stop(state, step) or budget_stop(state) or repeated
     if stop:
         return finish(state, stop, now, state["run_id"], error_tail)
     if any(seg_state(s) == SegState.QUEUED for s in state["segments"]):
@@ -357,6 +374,26 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
     # segment when it sees this state.
     _set(state, RunState.RESUBMITTED, "waiting for the next segment to be started")
     return []
+
+
+def _repeated(state: dict, seg: dict, trained: bool | None, failure: str | None) -> dict | None:
+    """A failed segment that never reached its first step, with the error its predecessor ended
+    with (a resume in between included): a start-up failure (an import, the data, the model, the
+    config) that the next segment would repeat after its queue wait. Its stop, or None. The
+    failure's last line is kept with every failed segment (`failure`) for the next to compare."""
+    seg["failure"] = " ".join((failure or "").split())[:400] or None
+    if trained is not False or not seg["failure"]:
+        return None
+    before = [s for s in state["segments"] if s.get("started") and s is not seg and (s.get("k") or 0) < seg["k"]]
+    prev = before[-1] if before else None
+    if prev is None or seg_state(prev) not in (SegState.FAILED, SegState.LOST) or prev.get("failure") != seg["failure"]:
+        return None
+    return {"kind": Stop.REPEATED.value, "k": seg["k"], "prev": prev.get("k"), "error": seg["failure"]}
+
+
+def _user_stop(state: dict, step: int | None) -> dict | None:
+    """The stop `hpcrl stop` asked for, once the segment it signalled has ended (or never ran)."""
+    return {"kind": Stop.USER_STOP.value, "step": step} if state.get("stop_requested") else None
 
 
 def queue_failed(state: dict, error: str, now: float) -> None:
@@ -383,6 +420,23 @@ def cancel(state: dict, now: float) -> list:
     return actions + ([Cancel(running)] if running else [])
 
 
+def stop(state: dict, now: float) -> tuple[list, tuple]:
+    """`hpcrl stop`: the running segment saves and exits as at its walltime (the caller signals
+    the returned job ids as the walltime would); nothing runs after it. Queued successors are
+    cancelled now; the run is STOPPED, resumable, when that segment ends (at once when none runs)."""
+    if not is_active(state):
+        raise RunError(f"run '{state['run_id']}' is already {state['state']}; nothing to stop")
+    running = tuple(s["job_id"] for s in state["segments"] if seg_state(s) == SegState.RUNNING)
+    state["stop_requested"] = now
+    add_event(state, "stop asked by the user: checkpoint and stop", now)
+    actions = cancel_queued(state, now, why="the run was stopped by the user (hpcrl stop)")
+    if not running:
+        step = max([s["end_step"] for s in state["segments"] if s.get("end_step") is not None], default=None)
+        return actions + finish(state, _user_stop(state, step), now, state["run_id"]), ()
+    _set(state, RunState.CHECKPOINTING, "stopping: the running segment saves a checkpoint and exits (hpcrl stop)")
+    return actions, running
+
+
 def resume(state: dict, now: float, hours: float | None = None, total_hours: float | None = None,
            max_segments: int | None = None) -> list:
     """`hpcrl resume`: continue a stopped, cancelled or failed run (budget changes included)."""
@@ -396,6 +450,7 @@ def resume(state: dict, now: float, hours: float | None = None, total_hours: flo
         if value is not None:
             budget[key] = value
     state["no_progress"] = 0
+    state["stop_requested"] = None
     stop = budget_stop(state)
     if stop:
         raise RunError(f"run '{run_id}': {describe(stop, run_id)}; give it more with "
@@ -437,7 +492,8 @@ def next_segment(state: dict, now: float) -> list:
     active run with no live segment, or the stop when the run must not go on."""
     if not is_active(state) or live_segments(state):
         return []
-    stop = budget_stop(state)
+    saved = max([s["end_step"] for s in state["segments"] if s.get("end_step") is not None], default=None)
+    stop = _user_stop(state, saved) or budget_stop(state)
     if stop:
         return finish(state, stop, now, state["run_id"])
     return [Queue(after=None)]

@@ -26,6 +26,7 @@ DEFAULT_PANELS = [("reward", "reward_mean", "eval/reward_mean"), ("KL to referen
                   ("loss", "loss", None), ("response length", "response_len_mean", None)]
 BOUNDARY, CHECKPOINT, RL_START = "segment-boundary", "checkpoint", "rl-start"
 SEGMENT_LABELS = 12  # at most this many segment numbers on a panel: more overlap into a smear
+LABEL_GAP = 0.04  # labels nearer than this share of the step axis would overlap: one label for them
 SMOOTHED = {"reward_mean", "kl", "loss"}  # noisy per-step values: raw faint, moving mean over them
 
 
@@ -49,10 +50,17 @@ def panels_for(runs_records: list[list[dict]], metrics: list[str] | None) -> lis
             have = ", ".join(sorted(k for k in keys if k not in ("step", "time", "segment")))
             raise HpcrlError(f"--metric {unknown[0]}: not in these runs' metrics; they have: {have}")
         return [(m, m, None) for m in metrics]
-    chosen = [p for p in DEFAULT_PANELS if p[1] in keys or (p[2] and p[2] in keys)]
+    chosen = [p for p in DEFAULT_PANELS if (p[1] in keys or (p[2] and p[2] in keys)) and not
+              (p[1] == "kl" and not kl_computed(runs_records))]
     if not chosen:
         raise HpcrlError("no metrics to plot yet (metrics.jsonl is empty); try again once the run has made steps")
     return chosen
+
+
+def kl_computed(runs_records: list[list[dict]]) -> bool:
+    """Whether any run has a KL to its reference: with beta 0 the trainer keeps no reference and
+    logs kl 0.0 at every step (a flat panel would read as 'no drift')."""
+    return any(r.get("kl") for recs in runs_records for r in recs if isinstance(r.get("kl"), (int, float)))
 
 
 def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
@@ -90,12 +98,15 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
         if handles:
             ax.legend(handles, labels, loc="best", fontsize=8)
     axes[-1][0].set_xlabel("step")
-    fig.suptitle(" vs ".join(r.id for r in runs) + ": metrics by step (dotted: segment starts, ^: checkpoints)")
-    fig.tight_layout()
+    no_kl = not metrics and not kl_computed([d[2] for d in data]) and any("kl" in r for d in data for r in d[2])
+    fig.suptitle(" vs ".join(r.id for r in runs) + ": metrics by step (dotted: segment starts, ^: checkpoints)"
+                 + ("\nKL not computed (beta 0: no reference model), so no KL panel" if no_kl else ""))
+    fig.tight_layout()  # after the right-hand axes exist: their labels are laid out too
     drawn = describe([axes[r][0] for r in range(len(panels))], [r.id for r in runs], panels, twins)
+    drawn["kl_not_computed"] = no_kl
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100, metadata={"hpcrl": json.dumps(drawn)})
+    fig.savefig(out, dpi=100, metadata={"hpcrl": json.dumps(drawn)}, bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
     return drawn
 
@@ -140,19 +151,38 @@ def _draw_run(ax, label: str, prefix: str, state: dict, records: list[dict], key
                 ax.annotate(f"{phase.split('_')[1]} {v:.3g}", (s, v), textcoords="offset points", xytext=(4, 6),
                             fontsize=8, color=colour)
     segs = [seg for seg in state["segments"] if seg.get("started")]
-    every = max(1, -(-len(segs) // SEGMENT_LABELS))  # label every n-th segment: at most SEGMENT_LABELS
     many = len(segs) > 3 * SEGMENT_LABELS
-    for n, seg in enumerate(segs):
+    span = max([s for s in steps] + [seg.get("end_step") or 0 for seg in segs] + [1])
+    for start, text in (segment_labels(segs, span) if first_panel else []):
+        ax.annotate(text, (start, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                    textcoords="offset points", fontsize=7, color=colour, gid=f"{label}:segment-label")
+    for seg in segs:
         start = seg.get("start_step") or 0
         ax.axvline(start, color=colour, ls=":", lw=0.6 if many else 1, alpha=0.35 if many else 0.7,
                    gid=f"{label}:{BOUNDARY}:{seg.get('k')}")
-        if first_panel and n % every == 0:
-            ax.annotate(f"s{seg.get('k')}", (start, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
-                        textcoords="offset points", fontsize=7, color=colour)
         if seg.get("end_step") is not None:
             ax.plot([seg["end_step"]], [0], marker="^", color=colour, ms=4 if many else 6,
                     transform=ax.get_xaxis_transform(), clip_on=False, gid=f"{label}:{CHECKPOINT}:{seg.get('k')}")
     return twin
+
+
+def segment_labels(segs: list[dict], span: float) -> list[tuple[float, str]]:
+    """(step, text) of the segment labels: segments starting at the same step share one label
+    ("s2-6": they made no progress), a label nearer the previous one than LABEL_GAP of the axis
+    is left out (its dotted line stays), at most SEGMENT_LABELS of them."""
+    groups: list[list] = []  # [start, first k, last k]
+    for seg in segs:
+        start = seg.get("start_step") or 0
+        if groups and start == groups[-1][0]:
+            groups[-1][2] = seg.get("k")
+        else:
+            groups.append([start, seg.get("k"), seg.get("k")])
+    every = max(1, -(-len(groups) // SEGMENT_LABELS))
+    out: list[tuple[float, str]] = []
+    for n, (start, first, last) in enumerate(groups):
+        if n % every == 0 and (not out or start - out[-1][0] >= LABEL_GAP * span):  # too near the last: its line only
+            out.append((start, f"s{first}" if first == last else f"s{first}-{last}"))
+    return out
 
 
 def moving_mean(values: list[float], window: int) -> list[float]:
@@ -199,6 +229,7 @@ def describe(axes, run_ids: list[str], panels, twins: dict | None = None) -> dic
         lines = ax.get_lines() + ((twins or {})[row].get_lines() if row in (twins or {}) else [])
         gids = [line.get_gid() or "" for line in lines]
         points = sum(len(line.get_xdata()) for line in lines if (line.get_gid() or "").endswith(":train"))
+        labels = [t for t in ax.texts if (t.get_gid() or "").endswith(":segment-label")]
         out["panels"].append({"title": title, "metric": key, "train_points": points,
                               "eval_points": sum(len(line.get_xdata()) for line in lines
                                                  if (line.get_gid() or "").endswith(":eval")),
@@ -207,6 +238,24 @@ def describe(axes, run_ids: list[str], panels, twins: dict | None = None) -> dic
                               "smoothed": any(g.endswith(":smooth") for g in gids),
                               "rl_start": any(g.endswith(f":{RL_START}") for g in gids),
                               "warmup_axis": row in (twins or {}),
-                              "segment_labels": sum(1 for t in ax.texts if t.get_text().startswith("s")
-                                                    and t.get_text()[1:].isdigit())})
+                              "segment_labels": len(labels), "label_texts": [t.get_text() for t in labels],
+                              "label_overlaps": _overlaps(labels),
+                              "axis_labels_inside": _inside(ax.figure, [ax, *([twins[row]] if row in (twins or {}) else [])])})
     return out
+
+
+def _overlaps(texts) -> int:
+    """Pairs of texts whose drawn boxes overlap."""
+    renderer = texts[0].figure.canvas.get_renderer() if texts else None
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    return int(sum(bool(a.overlaps(b)) for i, a in enumerate(boxes) for b in boxes[i + 1:]))
+
+
+def _inside(fig, axes) -> bool:
+    """Whether every y-axis label of these axes lies whole inside the saved figure."""
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        ext = ax.yaxis.label.get_window_extent(renderer)
+        if ax.yaxis.label.get_text() and not (ext.x0 >= fig.bbox.x0 and ext.x1 <= fig.bbox.x1):
+            return False
+    return True

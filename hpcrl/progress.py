@@ -64,23 +64,66 @@ def used_s(seg: dict, now: float) -> float:
 
 
 def goodput(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts, now: float) -> list[dict]:
-    """Per started segment: training seconds over walltime. A segment stopped for continuation is
-    measured against the walltime it asked for (the stop lead and start-up are what it lost); a
-    running or final one against the time it has used."""
+    """Per started segment: training seconds that reached a checkpoint over walltime. A segment
+    stopped for continuation is measured against the walltime it asked for (the stop lead and
+    start-up are what it lost); a running or final one against the time it has used. Steps an
+    ended segment trained past its last checkpoint (a hard kill, a crash) were lost: they count
+    0 (`lost_steps`); a running segment's are at risk, not yet lost."""
     out = []
     for seg in state["segments"]:
         if not seg.get("started"):
             continue
         t = timings.get(seg.get("k"))
         used = used_s(seg, now)
-        full = seg_state(seg) in (SegState.CONTINUE, SegState.LOST)
+        full = seg_state(seg) in (SegState.CONTINUE, SegState.LOST) and not seg.get("user_stop")
         base = max(used, asked(seg, facts)["walltime_s"]) if full else used
         train = t.train_s if t else None
+        kept = t.steps if t else 0
+        ended_badly = seg_state(seg) in (SegState.LOST, SegState.FAILED)
+        if t and seg_state(seg) != SegState.RUNNING and (ended_badly or seg.get("end_step") is not None):
+            # (a continuation with no checkpoint step on record, e.g. adopted: taken as saved whole)
+            kept = min(t.steps, max(0, (seg.get("end_step") or 0) - (seg.get("start_step") or 0)))
+        if train is not None and t and t.steps:
+            train = min(train, used or train) * kept / t.steps
         out.append({"k": seg.get("k"), "job_id": seg.get("job_id"), "used_s": round(used, 1),
-                    "train_s": None if train is None else round(min(train, used or train), 1),
-                    "steps": t.steps if t else 0,
+                    "train_s": None if train is None else round(train, 1),
+                    "steps": t.steps if t else 0, "lost_steps": (t.steps - kept) if t else 0,
                     "goodput": None if train is None or not base else round(min(1.0, train / base), 3)})
     return out
+
+
+def replaying(records: list[dict], state: dict) -> tuple[int, int] | None:
+    """(step now, highest step trained before) while the running segment re-trains steps an
+    earlier one trained and lost (past its last checkpoint); None otherwise."""
+    running = [s for s in state["segments"] if seg_state(s) == SegState.RUNNING and s.get("k")]
+    if not running:
+        return None
+    k = running[-1]["k"]
+    mine = [r["step"] for r in records if r.get("segment") == k and _is_step(r)]
+    before = [r["step"] for r in records if isinstance(r.get("segment"), int) and r["segment"] < k and _is_step(r)]
+    now = mine[-1] if mine else running[-1].get("start_step")
+    top = max(before, default=None)
+    return (int(now or 0), int(top)) if top is not None and (now or 0) < top else None
+
+
+def at_risk(records: list[dict], state: dict, ckpt_step: int | None, now: float) -> dict | None:
+    """What a hard kill of the running segment would lose now: its steps past the last
+    checkpoint, and the seconds since the first of them began."""
+    running = [s for s in state["segments"] if seg_state(s) == SegState.RUNNING and s.get("k")]
+    if not running:
+        return None
+    k = running[-1]["k"]
+    mine = [r for r in records if r.get("segment") == k and _is_step(r) and r["step"] > (ckpt_step or 0)]
+    if not mine:
+        return {"steps": 0, "seconds": 0.0}
+    saved_at = max((r.get("time") for r in records if _is_step(r) and r["step"] == ckpt_step
+                    and isinstance(r.get("time"), (int, float))), default=None)
+    since = saved_at or running[-1].get("started") or now
+    return {"steps": len({r["step"] for r in mine}), "seconds": round(max(0.0, now - since), 1)}
+
+
+def _is_step(rec: dict) -> bool:
+    return rec.get("phase") in (None, "train", "sft") and isinstance(rec.get("step"), (int, float))
 
 
 def _model(state: dict, timings: dict[int, SegmentTiming], facts: RunFacts) -> tuple[float, float, float, float]:

@@ -94,6 +94,7 @@ def summary(run: Run, state: dict | None = None, note: str | None = None) -> dic
         "used_hours": round(lifecycle.used_hours(state, now), 4), "total_hours": state["budget"].get("total_hours"),
         "metric_name": metric_name, "metric": metric, "run_dir": str(run.dir), "created": state.get("created"),
         "eta": eta, "cost": progress.cost(state, facts, now, eta["wall_s_left"]),
+        "replaying": progress.replaying(records, state), "at_risk": progress.at_risk(records, state, ckpt_step, now),
     }
 
 
@@ -229,7 +230,15 @@ def table_row(row: dict) -> list[str]:
     budget = f"{row['used_hours']:.2f}/{row['total_hours']:g}h" if row["total_hours"] else f"{row['used_hours']:.2f}h"
     metric = "-" if row["metric"] is None else f"{row['metric_name']}={row['metric']:.4g}"
     return [row["id"], row["site"], row["state"], f"{row['segments']}/{row['segments_planned']}", row["job_id"] or "-",
-            "-" if row["step"] is None else str(row["step"]), ckpt, budget, eta_cell(row), metric]
+            step_cell(row), ckpt, budget, eta_cell(row), metric]
+
+
+def step_cell(row: dict) -> str:
+    """The step; while a successor re-trains steps a lost segment had trained: 'N (replaying -> M)'."""
+    if row["step"] is None:
+        return "-"
+    replay = row.get("replaying") if is_active_row(row) else None
+    return f"{row['step']} (replaying -> {replay[1]})" if replay else str(row["step"])
 
 
 HEADERS = ["RUN", "SITE", "STATE", "SEG", "JOB", "STEP", "CHECKPOINT", "USED", "ETA", "LAST METRIC"]
@@ -302,12 +311,37 @@ def cost_line(row: dict) -> str:
     return text
 
 
+def replay_line(row: dict) -> str:
+    replay = row.get("replaying") if is_active_row(row) else None
+    if not replay:
+        return ""
+    return (f"replaying {replay[0]} -> {replay[1]}: this segment re-trains the steps an earlier one trained "
+            f"past its last checkpoint ({_s(row.get('checkpoint_step'))}) and lost")
+
+
+def risk_line(row: dict) -> str:
+    """What a hard kill of the running segment would lose (work since the last save)."""
+    risk = row.get("at_risk") if is_active_row(row) else None
+    if not risk:
+        return ""
+    if not risk["steps"]:
+        return "nothing: no step trained since the last checkpoint"
+    return (f"{risk['steps']} step{'s' if risk['steps'] != 1 else ''} ({duration(risk['seconds'])}) since the last "
+            f"checkpoint ({_s(row.get('checkpoint_step'))}): what a hard kill would lose now")
+
+
 def goodput_line(row: dict) -> str:
     good = [g for g in row.get("goodput") or [] if g["goodput"] is not None]
     if not good:
         return ""
     shares = ", ".join(f"{g['goodput']:.0%}" for g in good)
-    return f"{shares} of each segment's time trained (start-up and the stop before the walltime are the rest)"
+    text = (f"{shares} of each segment's time trained into a checkpoint (start-up and the stop before the walltime "
+            f"are the rest)")
+    lost = [g for g in row.get("goodput") or [] if g.get("lost_steps")]
+    if lost:
+        text += "; lost past the last checkpoint: " + ", ".join(
+            f"segment {g['k']} {g['lost_steps']} step{'s' if g['lost_steps'] != 1 else ''}" for g in lost)
+    return text
 
 
 def export_line(run: Run) -> str:
@@ -352,6 +386,7 @@ def headline_series(run: Run) -> tuple[str | None, list[float]]:
 def detail_sections(run: Run, state: dict, row: dict) -> list[tuple[str, str]]:
     """(label, text) lines of `status RUN` under its table, empty ones left out."""
     lines = [("reason", row["reason"]), ("error", error_line(state, row["reason"])), ("note", row.get("note") or ""),
+             ("steps", replay_line(row)), ("at risk", risk_line(row)),
              ("requeued", requeue_line(state)), ("eval", eval_line(run)),
              ("resources", resources_line(run)), ("progress", progress_line(row)), ("cost", cost_line(row)), ("goodput", goodput_line(row)),
              ("export", export_line(run))]
@@ -469,6 +504,15 @@ def pick_segment(state: dict, k: int | None) -> int:
 
         raise RunError(f"--segment {k}: the run has {len(started)} started segment(s); use 1..{max(1, len(started))}")
     return k - 1
+
+
+def print_all(run: Run, out) -> None:
+    """`hpcrl logs RUN`: every started segment's log in order, each under a line naming it."""
+    started = _started_segments(run.state())
+    for seg in started:
+        path = log_path(run, seg)
+        out.write(f"==> segment {seg.get('k')}/{len(started)} (job {seg.get('job_id')}, {seg['state']}): {path} <==\n")
+        _drain(path, 0, out)
 
 
 FINAL_QUIET_POLLS = 20  # ~10 s at the default poll

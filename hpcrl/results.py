@@ -107,13 +107,26 @@ def segment_timings(records: list[dict]) -> dict[int, SegmentTiming]:
 FORMATS = ("csv", "parquet", "jsonl")
 
 
+def surviving(records: list[dict]) -> list[dict]:
+    """The trajectory that survived: where a successor re-trained steps a lost segment had
+    trained past its last checkpoint, the later record of each (phase, step) supersedes the
+    earlier; order kept. (The plot keeps the last too: plot._series.)"""
+    last = {}
+    for i, rec in enumerate(records):
+        if isinstance(rec.get("step"), (int, float)):
+            last[(rec.get("phase"), rec["step"])] = i
+    keep = set(last.values())
+    return [rec for i, rec in enumerate(records) if i in keep or not isinstance(rec.get("step"), (int, float))]
+
+
 def table_rows(records: list[dict], state: dict) -> list[dict]:
-    """One row per record: segment, phase and wall time columns first (wall_s: seconds since the
-    run's first segment started), then the trainer's own keys. Evaluations stay their own rows."""
+    """One row per surviving record (one per training step: replayed steps superseded): segment,
+    phase and wall time columns first (wall_s: seconds since the run's first segment started),
+    then the trainer's own keys. Evaluations stay their own rows."""
     starts = [s["started"] for s in state.get("segments", []) if s.get("started")]
     t0 = min(starts) if starts else None
     rows = []
-    for rec in records:
+    for rec in surviving(records):
         t = rec.get("time")
         row = {"segment": rec.get("segment"), "phase": rec.get("phase") or "train", "step": rec.get("step"),
                "time": t, "wall_s": round(t - t0, 3) if isinstance(t, (int, float)) and t0 else None}

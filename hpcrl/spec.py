@@ -442,8 +442,7 @@ def _validate_budget(budget: dict, site: dict) -> dict:
                                maximum=MAX_TOTAL_HOURS)
     b["max_segments"] = _number(b.get("max_segments"), "budget.max_segments (--max-segments)", 1, integer=True,
                                 allow_none=False, maximum=MAX_SEGMENTS)
-    check_budget(b["hours"], b["total_hours"])
-    return b
+    return b  # its total against one segment: after the QOS's limit (_finish), which --hours must meet first
 
 
 def check_budget(hours: float, total_hours: float | None) -> None:
@@ -595,6 +594,7 @@ def _finish(spec: dict, site: dict) -> dict:
     trainer.check_world(spec["args"], world_size(spec["resources"]))
     site = _validate_site(site, spec["budget"]["hours"])
     siterules.apply(spec, site, given)  # the QOS's own rules: chaining, interactive, shares, charge
+    check_budget(spec["budget"]["hours"], spec["budget"]["total_hours"])
     if site["trainer_python"] and spec["requirements"]:
         raise SpecError(f"requirements: {spec['requirements']!r} are not installed when site.trainer_python is set "
                         f"(hpcrl builds no venv then); install them into {site['trainer_python']}'s environment "

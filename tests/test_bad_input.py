@@ -37,6 +37,9 @@ CASES = [
     ("trainer: smoke\n", {}, ["--hours", "abc"], "argument --hours: invalid float value: 'abc'"),
     ("trainer: smoke\n", {}, ["--hours", "4", "--total-hours", "1"],
      "--total-hours) 1: less than one segment's --hours 4; raise --total-hours or lower --hours"),
+    # #29: a recipe's total (10 h) below --hours 72: the QOS's 48 h limit is the first thing to fix
+    ("trainer: smoke\nbudget: {total_hours: 10}\n", {}, ["--site", "perlmutter", "--account", "m1234_g", "--hours", "72"],
+     "site 'perlmutter': qos 'regular' allows at most 48 h, asked 72 h"),
     ("trainer: smoke\n", {}, ["--total-hours", "1e12"], "budget.total_hours (--total-hours): must be at most"),
     ("trainer: smoke\n", {}, ["--max-segments", "1000000"], "budget.max_segments (--max-segments): must be at most"),
     ("trainer: smoke\n", {}, ["--nodes", "-3"], "resources.nodes (--nodes): must be at least 1"),
@@ -108,7 +111,7 @@ def test_missing_spec_file(home, tmp_path):
 
 @pytest.mark.parametrize("bad", ["../..", "a/b", ".hidden", "", "x y", "r\u00fcn", "x" * 81, "run\n"])
 def test_run_ids_are_checked_like_run_names_before_the_registry(home, bad):
-    for verb in ("status", "logs", "resume", "cancel", "watch"):
+    for verb in ("status", "logs", "resume", "cancel", "stop", "watch"):
         r = hpcrl(verb, bad, check=False)
         assert r.returncode == 2, (verb, r.stdout, r.stderr)
         assert r.stderr.startswith(f"hpcrl: error: run {bad!r}: not a run id") and r.stderr.count("\n") == 1, r.stderr
@@ -152,6 +155,6 @@ def test_a_set_value_with_a_hash_comes_through_whole(home):
 
 
 def test_unknown_run_for_status_logs_resume_cancel(home):
-    for verb in ("status", "logs", "resume", "cancel"):
+    for verb in ("status", "logs", "resume", "cancel", "stop"):
         r = hpcrl(verb, "ghost", check=False)
         assert r.returncode == 2 and "run 'ghost': no such run" in r.stderr, (verb, r.stderr)

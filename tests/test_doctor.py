@@ -155,3 +155,33 @@ def test_tpu_site_through_the_fake_gcloud(home, tmp_path, monkeypatch):
     for words in ("FAIL  gcloud auth", "gcloud auth login", "FAIL  bucket", "FAIL  accelerator",
                   "does not offer v5p-8 (it has: v6e-8)"):
         assert words in bad.stdout, bad.stdout
+
+
+def test_doctor_reads_the_hpcrl_yaml_here_as_render_does(home, tmp_path):
+    """#29: without a spec argument doctor checks ./hpcrl.yaml's venv (its trainer and
+    requirements), as render and submit take ./hpcrl.yaml, and its fix names that file."""
+    (Path(os.environ["HPCRL_SITES_DIR"]) / "dv.yaml").write_text(f"extends: local\nvenv_root: {tmp_path}/venvs\n")
+    (tmp_path / "hpcrl.yaml").write_text("trainer: smoke\nrequirements: [pip]\n")
+    out = hpcrl("doctor", "--site", "dv", cwd=tmp_path).stdout
+    assert out.splitlines()[0] == "hpcrl doctor: site dv (local), spec hpcrl.yaml", out
+    line = next(ln for ln in out.splitlines() if ln.startswith("WARN  venv"))
+    assert "for smoke" in out and line.endswith("fix: build it now: hpcrl venv build hpcrl.yaml --site dv"), line
+    (tmp_path / "empty").mkdir()
+    alone = hpcrl("doctor", "--site", "dv", cwd=tmp_path / "empty").stdout  # no spec there: the trainer's defaults
+    assert alone.splitlines()[0] == "hpcrl doctor: site dv (local), trainer builtin (its defaults; no ./hpcrl.yaml here)"
+
+
+@pytest.mark.parametrize("given, executable, prefix, status, words", [
+    ("/tmp/hpcrl-venv/bin/python", None, None, "fail", "/tmp/hpcrl-venv/bin/python is on /tmp"),
+    (None, "/work/hpcrl/.venv/bin/python", "/tmp/venv", "fail", "/tmp/venv is on /tmp"),
+    (None, "/dev/shm/v/bin/python", "/dev/shm/v", "fail", "is on /dev/shm"),
+    ("/global/common/software/m1234/hpcrl/bin/python", None, None, "pass", ""),
+    (None, "/global/homes/u/hpcrl/.venv/bin/python", "/global/homes/u/hpcrl/.venv", "pass", ""),
+])
+def test_the_hooks_interpreter_must_be_on_a_file_system_compute_nodes_mount(given, executable, prefix, status, words):
+    site = {"name": "pm", "scheduler": "slurm", **({"hpcrl_python": given} if given else {})}
+    (check,) = doctor.hooks_python(site, executable=executable, prefix=prefix)
+    assert check.status == status and words in check.detail, check
+    if status == "fail":
+        assert "compute nodes do not share" in check.detail and "site.hpcrl_python" in check.fix
+    assert doctor.hooks_python({"name": "l", "scheduler": "local", "hpcrl_python": "/tmp/x"}) == []

@@ -119,7 +119,9 @@ def test_chain_continues_then_completes_with_one_successor_at_a_time(chain):
     assert [(s["k"], s["start_step"], s["end_step"], s["state"]) for s in ran] == [
         (1, None, 10, "CONTINUE"), (2, 10, 20, "CONTINUE"), (3, 20, 30, "COMPLETE")]
     # the successor queued at segment 3's start found the run complete and was cancelled
-    assert state["segments"][-1]["state"] == SegState.CANCELLED
+    # its job was cancelled; the segment reads as not needed (not as a cancel, which is the user's)
+    assert state["segments"][-1]["state"] == SegState.UNNEEDED
+    assert state["segments"][-1]["reason"] == "not needed: the run is completed"
     assert sched.jobs[state["segments"][-1]["job_id"]]["state"] == JobState.CANCELLED
     assert lifecycle.used_hours(state) == pytest.approx(3.0)
 
@@ -219,6 +221,109 @@ def test_a_crash_loop_names_the_trainers_own_reason(chain):
     state = run.state()
     assert state["state"] == RunState.FAILED
     assert state["reason"].endswith("last error: verl ended at step 16 but its newest checkpoint is step 15")
+
+
+def _failing_segment(run, clock, sched, log: str, trained_steps=(), step=None) -> str:
+    """Run the queued job as a segment that logs `trained_steps` (its metrics records), saves at
+    `step`, prints `log` and exits 1."""
+    job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
+    sched.jobs[job]["state"] = JobState.RUNNING
+    k, _, _ = launch.segment_begin(str(run.dir), job, environ={})
+    clock.advance(600)
+    for n in trained_steps:
+        protocol.append_metrics(run.layout.metrics, {"step": n, "segment": k, "time": clock.now})
+    if step is not None:
+        checkpoint(run, step)
+    run.layout.log(job).write_text(log)
+    launch.segment_end(str(run.dir), job, 1)
+    sched.jobs[job]["state"] = JobState.COMPLETED
+    return job
+
+
+OOM = "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+
+
+def test_a_segment_failing_before_its_first_step_with_its_predecessors_error_ends_the_run(chain):
+    """#29: a start-up failure that repeats the previous segment's error would repeat again after
+    the next queue wait: the run is FAILED at once, with that line, and nothing stays queued."""
+    make_run, clock, sched = chain
+    run = make_run("rep")
+    _failing_segment(run, clock, sched, OOM, trained_steps=range(1, 12), step=10)  # trained, then OOM
+    assert run.state()["state"] == RunState.RESUBMITTED  # progress: not a loop
+    _failing_segment(run, clock, sched, OOM)  # before its first step, the same error
+    state = run.state()
+    assert state["state"] == RunState.FAILED and state["stop"]["kind"] == Stop.REPEATED
+    assert state["reason"].startswith("segment 2 failed before its first step with the error segment 1 had: "
+                                      "torch.OutOfMemoryError: CUDA out of memory")
+    assert "hpcrl resume rep" in state["reason"]
+    assert not lifecycle.live_segments(state) and len([s for s in state["segments"] if s.get("started")]) == 2
+
+
+def test_a_resumed_run_failing_at_start_as_before_stops_after_one_segment(chain):
+    make_run, clock, sched = chain
+    run = make_run("res")
+    for _ in range(2):
+        _failing_segment(run, clock, sched, "ModuleNotFoundError: No module named 'nosuchpkg'\n")
+    assert run.state()["stop"]["kind"] == Stop.CRASH_LOOP  # the first two: the crash loop's words, as before
+    launch.resume("res")
+    _failing_segment(run, clock, sched, "ModuleNotFoundError: No module named 'nosuchpkg'\n")
+    state = run.state()
+    assert state["state"] == RunState.FAILED and state["stop"]["kind"] == Stop.REPEATED
+    assert len([s for s in state["segments"] if s.get("started")]) == 3 and not lifecycle.live_segments(state)
+
+
+@pytest.mark.parametrize("second, trained", [
+    ("RuntimeError: NCCL error: unhandled system error\n", ()),  # another error: may be the node's
+    (OOM, (11, 12)),  # the same error, but after a step: not a start-up failure
+])
+def test_a_failure_that_is_not_a_repeated_start_up_failure_goes_on(chain, second, trained):
+    make_run, clock, sched = chain
+    run = make_run("go")
+    _failing_segment(run, clock, sched, OOM, trained_steps=range(1, 12), step=10)
+    _failing_segment(run, clock, sched, second, trained_steps=trained)
+    assert run.state()["state"] == RunState.RESUBMITTED
+
+
+def test_stop_saves_then_stops_with_nothing_after_it_and_resume_continues(chain):
+    """`hpcrl stop`: the running job gets the walltime's signal, the queued successor is cancelled
+    at once, the run is STOPPED (not FAILED, not CANCELLED) when the segment ends for
+    continuation, and resume queues the next segment."""
+    make_run, clock, sched = chain
+    run = make_run("st")
+    first = run.state()["segments"][0]["job_id"]
+    sched.jobs[first]["state"] = JobState.RUNNING
+    launch.segment_begin(str(run.dir), first, environ={})
+    successor = lifecycle.live_segments(run.state())[-1]["job_id"]
+    signalled = []
+    sched.checkpoint_stop = lambda ids, run=None: signalled.extend(ids)
+    launch.stop("st")
+    state = run.state()
+    assert signalled == [first] and state["state"] == RunState.CHECKPOINTING
+    assert sched.jobs[successor]["state"] == JobState.CANCELLED and not [
+        s for s in state["segments"] if s["state"] == SegState.QUEUED]
+    clock.advance(60)
+    checkpoint(run, 17)
+    launch.segment_end(str(run.dir), first, CONTINUE)
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"] == {"kind": "user_stop", "step": 17}
+    assert state["reason"] == "stopped by the user at checkpoint step 17; `hpcrl resume st` continues from it"
+    assert state["segments"][0]["user_stop"] is True  # goodput measures it by the time it held, not its walltime
+    assert not lifecycle.live_segments(state) and sched.submits == 2
+    with pytest.raises(RunError, match="already STOPPED; nothing to stop"):
+        launch.stop("st")
+    launch.resume("st")
+    assert run.state()["state"] == RunState.PENDING and not run.state()["stop_requested"]
+    segment(run, clock, sched, CONTINUE, 30)
+    assert run.state()["state"] == RunState.RESUBMITTED  # the chain goes on as before
+
+
+def test_stop_of_a_run_whose_segment_has_not_started_stops_it_at_once(chain):
+    make_run, clock, sched = chain
+    run = make_run("sq")
+    launch.stop("sq")
+    state = run.state()
+    assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == "user_stop"
+    assert [s["state"] for s in state["segments"]] == [SegState.CANCELLED]
 
 
 def test_progress_between_failures_is_no_crash_loop(chain):

@@ -100,3 +100,52 @@ def test_second_submit_refused_and_cancel_removes_running_and_queued_jobs(slurm_
     assert state["state"] == "CANCELLED"
     time.sleep(1)
     assert not [ln for ln in _squeue("sl-cancel") if "PENDING" in ln or "RUNNING" in ln]
+
+
+def test_a_failure_repeated_before_the_first_step_ends_the_run_with_no_second_queue_wait(slurm_home, tmp_path):
+    """#29 on the real scheduler: the segment that repeats its predecessor's error before its first
+    step is the last; its queued successor is cancelled, no third job runs."""
+    flag = tmp_path / "broken"
+    _submit(slurm_home, "sl-rep", "--hours", "0.05", "--set", "args.steps=300", "--set", "args.step_time_s=0.3",
+            "--set", "args.save_every=5", "--set", f"args.fail_if_exists={flag}")
+    wait_for_step(run_dir("sl-rep"), 6, timeout=120)
+    flag.touch()
+    state = wait_for_run("sl-rep", timeout=300)
+    assert state["state"] == "FAILED" and state["stop"]["kind"] == "repeated", state["reason"]
+    assert len(started(state)) == 2 and f"smoke: error: {flag} exists" in state["reason"]
+    assert not _squeue("sl-rep")
+
+
+def test_a_reward_file_that_cannot_import_is_refused_at_submit_on_slurm(slurm_home, tmp_path):
+    file = tmp_path / "r.py"
+    file.write_text("import nosuchpkg_sl29\ndef score(*a, **k):\n    return 0.0\n")
+    slurm_home.append("sl-imp")
+    r = hpcrl("submit", "--site", "testcluster", "--trainer", "builtin", "--hours", ONE_MIN, "--name", "sl-imp",
+              "--set", f"args.reward={file}:score", check=False)
+    assert r.returncode == 2 and "fails to import in the trainer's python" in r.stderr, r.stderr
+    assert not _squeue("sl-imp")
+
+
+def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_continues(slurm_home):
+    """#29 on the real scheduler: `hpcrl stop` reaches the batch shell's USR1 trap (scancel
+    --signal=USR1 --batch, as the walltime's --signal=B:USR1), the built-in trainer saves at its
+    last trained step, the queued successor is cancelled, resume continues from that step."""
+    from test_local_lifecycle import STOP_ARGS
+
+    sets = [a for kv in STOP_ARGS for a in ("--set", f"args.{kv}")]
+    slurm_home.append("sl-stp")
+    hpcrl("submit", "--site", "testcluster", "--trainer", "builtin", "--hours", "0.1", "--name", "sl-stp", *sets)
+    rdir = run_dir("sl-stp")
+    wait_for_step(rdir, 3, timeout=300)
+    hpcrl("stop", "sl-stp")
+    state = wait_for_run("sl-stp", timeout=180)
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "user_stop", state["reason"]
+    (seg,) = started(state)
+    trained = max(m["step"] for m in read_metrics(rdir) if m.get("phase") in (None, "train"))
+    assert seg["state"] == "CONTINUE" and seg["end_step"] == trained < 30, (seg, trained)
+    assert not _squeue("sl-stp"), "nothing queued after the stopped segment"
+    hpcrl("resume", "sl-stp")
+    state = wait_for_run("sl-stp", states=("COMPLETED",), timeout=400)
+    assert started(state)[1]["start_step"] == trained
+    steps = [m["step"] for m in read_metrics(rdir) if m.get("phase") in (None, "train")]
+    assert steps == list(range(1, 31))

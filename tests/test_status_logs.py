@@ -30,6 +30,9 @@ def test_logs_follow_moves_across_segments_and_ends_with_the_run(fast_local):
     assert lines[-1] == "hpcrl: trainer exited with code 0", out[-2000:]
     assert "checkpoint and stop" not in out.rsplit("hpcrl: trainer exited with code 0", 1)[1]
     assert "\x1b[" not in out  # plain lines when not a terminal
+    whole = hpcrl("logs", "lg").stdout  # #29: every segment, as the help says, each under its own line
+    heads = [whole.index(f"==> segment {s['k']}/{len(ran)} (job {s['job_id']}, {s['state']}): ") for s in ran]
+    assert heads == sorted(heads) and all(f"segment {s['k']} job {s['job_id']}" in whole for s in ran)
     first = hpcrl("logs", "lg", "--segment", "1").stdout
     assert f"job {ran[0]['job_id']}" in first and f"job {ran[1]['job_id']}" not in first
     bad = hpcrl("logs", "lg", "--segment", "99", check=False)

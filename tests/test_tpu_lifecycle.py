@@ -278,3 +278,34 @@ def test_resume_with_new_hours_changes_the_next_segments_length(cloud):
     assert state["state"] == "COMPLETED" and len(ran) >= 2, "3 s of training cannot fit one 5 s segment"
     assert ran[0]["ended"] - ran[0]["started"] < 6, "the first resumed segment ran for the new hours"
     assert_resumed_exactly(state, 30, rdir)
+
+
+def test_stop_saves_on_the_vm_runs_nothing_after_and_resume_continues(cloud):
+    """#29: `hpcrl stop` on TPU: the VM finds the stop object in the bucket and gives its segment
+    the walltime's USR1; the trainer saves at its last trained step, the watcher queues no next
+    VM, the run is STOPPED, and resume continues from that step on a new VM."""
+    cloud.scenario([{"states": ["ACTIVE"]}, {"states": ["ACTIVE"]}])
+    submit("st", "--hours", "0.05", "--set", "args.steps=150", "--set", "args.step_time_s=0.1",
+           "--set", "args.save_every=1000")
+    watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "st", "--interval", "0.3"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):
+            if (json.loads(hpcrl("status", "st", "--json").stdout)[0]["step"] or 0) >= 10:
+                break
+        hpcrl("stop", "st")
+        out, _ = watcher.communicate(timeout=60)
+    finally:
+        watcher.kill()
+    state = run_state("st")
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "user_stop", (state["reason"], out)
+    (seg,) = started(state)
+    trained = max(m["step"] for m in read_metrics(run_dir("st")))
+    assert seg["state"] == "CONTINUE" and seg["end_step"] == trained < 150, (seg, trained)
+    assert not cloud.calls("create", "hpcrl-st-2"), "no VM after the stopped segment"
+    hpcrl("resume", "st")
+    rc, log = watch_until_done("st")
+    assert rc == 0, log
+    second = started(run_state("st"))[1]
+    assert second["start_step"] == trained
+    assert sorted({m["step"] for m in read_metrics(run_dir("st"))}) == list(range(1, 151))

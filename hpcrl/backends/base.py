@@ -160,6 +160,14 @@ class Backend:
         """Must: cancel the jobs; cancelling a job that already ended is not an error."""
         raise NotImplementedError
 
+    def checkpoint_stop(self, job_ids: list[str], run=None) -> None:
+        """`hpcrl stop`: give the running jobs what their walltime gives them (USR1 to the batch
+        shell: the trainer saves and exits for continuation). A job that already ended is fine."""
+        from ..errors import BackendError
+
+        raise BackendError(f"the {self.name} backend cannot signal a running job; `hpcrl cancel` stops it "
+                           f"(without a final save: it resumes from the last periodic checkpoint)")
+
     def end_time(self, job_id: str, run, environ) -> float | None:
         """Inside a job: when the scheduler will end it (unix s), from the scheduler itself."""
         info = self.query([job_id], run).get(job_id)

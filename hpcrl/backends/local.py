@@ -138,6 +138,11 @@ class LocalBackend(Backend):
             if _record_path(run_dir, job_id).exists():
                 path.write_text("cancel\n")
 
+    def checkpoint_stop(self, job_ids: list[str], run=None) -> None:
+        for job_id in job_ids:  # the supervisor sends USR1 as at the walltime's signal lead
+            if _record_path(run.dir, job_id).exists():
+                (queue_dir(run.dir) / f"{job_id}.usr1").write_text("usr1\n")
+
     def end_time(self, job_id: str, run, environ) -> float | None:
         value = environ.get("HPCRL_JOB_END_TIME")
         if value:
@@ -234,7 +239,7 @@ class _Supervisor:
         usr1_sent, term_at, outcome = False, None, None
         while proc.poll() is None:
             now = time.time()
-            if not usr1_sent and now >= end - lead:
+            if not usr1_sent and (now >= end - lead or (self.qdir / f"{self.job_id}.usr1").exists()):
                 _signal(proc.pid, signal.SIGUSR1)  # the batch shell only, like Slurm's --signal=B:
                 usr1_sent = True
             if term_at is None and (now >= end or self.cancelled()):

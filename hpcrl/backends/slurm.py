@@ -464,6 +464,16 @@ class SlurmBackend(Backend):
             return {}
         return parse_sacct(result.stdout) if result.returncode == 0 else {}
 
+    def checkpoint_stop(self, job_ids: list[str], run=None) -> None:
+        # To the batch shell only, as the walltime's --signal=B:USR1 does: its trap sets the
+        # checkpointing flag and forwards USR1 to the trainer (or the stop file to the ranks).
+        ids = [str(j) for j in job_ids]
+        if not ids:
+            return
+        result = run_command(["scancel", "--signal=USR1", "--batch", *ids], check=False)
+        if result.returncode != 0 and "Invalid job id" not in result.stderr:
+            raise BackendError(f"scancel --signal=USR1 failed: {stderr_tail(result)}")
+
     def cancel(self, job_ids: list[str], run=None) -> None:
         ids = [str(j) for j in job_ids]
         if not ids:

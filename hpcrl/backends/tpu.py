@@ -430,6 +430,13 @@ class TpuBackend(Backend):
             self.gcloud(["gcloud", "storage", "cp", "-", secrets_uri(self.site, run_id)], input_text="\n".join(lines) + "\n")
         return bool(lines)
 
+    def checkpoint_stop(self, job_ids: list[str], run=None) -> None:
+        # No scheduler signal reaches a TPU VM: its startup script looks for this object in the
+        # bucket while the segment runs and gives the segment its walltime's USR1 when it appears
+        for job_id in job_ids:
+            self.gcloud(["gcloud", "storage", "cp", "-", f"{run_uri(self.site, run.id)}/jobs/{job_id}/stop"],
+                        input_text="stop\n")
+
     def drop_secrets(self, run_id: str) -> None:
         self.gcloud(["gcloud", "storage", "rm", secrets_uri(self.site, run_id)], check=False)
 

@@ -159,7 +159,7 @@ def _merge(run, qr: str, vm: dict) -> None:
     vseg = lifecycle.segment_by_job(vm, qr)
     with run.locked() as state:
         seg = lifecycle.segment_by_job(state, qr)
-        if vseg is None or seg is None or seg["state"] in (SegState.CANCELLED, SegState.LOST):
+        if vseg is None or seg is None or seg["state"] in (SegState.CANCELLED, SegState.UNNEEDED, SegState.LOST):
             return
         seg.update({k: vseg[k] for k in SEG_FIELDS_FROM_VM if k in vseg})
         if lifecycle.is_active(state) and vm.get("state"):

@@ -43,7 +43,8 @@ def _data_parser() -> argparse.ArgumentParser:
                     help="field with the tests (list of asserts / {input, output}): data_source 'code', sandboxed reward")
     cv.add_argument("--system", default=None, help="a system message put before every prompt")
     cv.add_argument("--template", default=None,
-                    help="prompt text with {prompt} and {field} placeholders, e.g. 'Translate to Python: {prompt}'")
+                    help="prompt text with {prompt} and {field} placeholders, e.g. 'Translate to Python:\\n{prompt}' "
+                         "(\\n and \\t are a newline and a tab, as a shell's double quotes leave them)")
     cv.add_argument("--data-source", default=None, help="data_source of the rows (default: code with tests, else custom)")
     cv.add_argument("--out", required=True, help="output directory")
     cv.add_argument("--split", default="train", help="output name, SPLIT.parquet (default: train)")
@@ -109,8 +110,8 @@ def _convert(ns, out: Path) -> int:
         raise HpcrlError(f"hpcrl data convert: --split {ns.split!r}: use letters, digits, _ or -")
     try:
         records = convert.read_any(src)
-        rows, dropped = convert.convert(records, ns.prompt_field, ns.answer_field, ns.tests_field, ns.system,
-                                        ns.template, ns.split, ns.data_source)
+        rows, dropped = convert.convert(records, ns.prompt_field, ns.answer_field, ns.tests_field,
+                                        _escapes(ns.system), _escapes(ns.template), ns.split, ns.data_source)
     except convert.ConvertError as e:
         raise HpcrlError(f"hpcrl data convert: {e}") from None
     if not rows:
@@ -215,5 +216,12 @@ def main(argv=None) -> int:
         return 2
 
 
+def _escapes(text: str | None) -> str | None:
+    """\\n and \\t typed in a shell's quotes reach us as backslash + letter: a user writing
+    "Translate:\\n{prompt}" means a newline (a literal backslash-n in a prompt is never wanted)."""
+    return None if text is None else text.replace("\\n", "\n").replace("\\t", "\t")
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

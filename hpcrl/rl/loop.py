@@ -47,6 +47,9 @@ class RLTrainer:
         self.device = self.dist.device(policy.pick_device(cfg["device"]))
         if not self.dist.is_main:
             self.dist.barrier()  # rank 0 builds the tiny model and the data first; the others find them
+        # first: a reward that does not import fails the segment before the model is built or
+        # copied into the run (SmolLM2: 517 MB) and before the data is generated
+        self.reward = reward_mix.Reward(cfg, self.device)
         self.model_dir = prepare.prepare_model(cfg, ctx.run_dir)
         train_path, val_path = prepare.prepare_data(cfg, ctx.run_dir)
         if self.dist.is_main:
@@ -81,7 +84,6 @@ class RLTrainer:
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
         self.val_ids = policy.encode_prompts(self.tok, self.val_ex[:cfg["eval_size"]], **enc)
         self.auto_rows = self._auto_rows()
-        self.reward = reward_mix.Reward(cfg, self.device)
         # fused: one kernel over all parameters instead of a loop of small ones (~12% of a tiny step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
                                            fused=self.device.type in ("cpu", "cuda"))
@@ -611,7 +613,8 @@ class RLTrainer:
                   "peak_rss_mb": metrics.peak_rss_mb(), **{f"eval/{k}": round(v / n, 6) for k, v in extra.items()}}
         self.log.write({"step": self.step, "phase": phase, **result})
         self._say(f"{phase} step {self.step}: reward_mean={result['eval/reward_mean']:.3f} "
-            f"accuracy={result['eval/accuracy']:.3f} n={len(scores)} ({time.monotonic() - t0:.1f} s)")
+            f"accuracy={result['eval/accuracy']:.3f}{_accuracy_note(self.cfg)} n={len(scores)} "
+            f"({time.monotonic() - t0:.1f} s)")
         if phase in ("eval_before", "eval_sft"):  # the later one (after the warm-up) is what RL starts from
             self.before_rl = result
         elif phase == "eval_after" and getattr(self, "before_rl", None):
@@ -619,3 +622,15 @@ class RLTrainer:
             self._say(f"pass rate (accuracy) before RL -> after: {b['eval/accuracy']:.3f} -> {result['eval/accuracy']:.3f}; "
                 f"reward_mean {b['eval/reward_mean']:.3f} -> {result['eval/reward_mean']:.3f}")
         return result
+
+
+# the rule rewards score 1.0 for a right answer: for them "accuracy" (scores >= 1.0) is the solve rate
+RULE_REWARDS = ("auto", "countdown", "gsm8k", "gsm8k_flexible", "code")
+
+
+def _accuracy_note(cfg: dict) -> str:
+    """What accuracy means beside a reward that is not one of the rule rewards (its scale is the
+    user's: 0.000 may only say that no answer scored a full 1.0)."""
+    if all(name in RULE_REWARDS for _, name in reward_mix.parse_terms(cfg["reward"])):
+        return ""
+    return " (the share of answers scoring >= 1.0: a custom reward's scale may never reach it)"

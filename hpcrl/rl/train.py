@@ -46,6 +46,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcrl.rl: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # a reward module (or what it imports) missing from this environment
+        report_failure(ctx, f"args.reward {cfg['reward']!r}: {e.__class__.__name__}: {e}; install it into the "
+                            f"trainer's environment")
+        return 2
     from .checkpoint import RanksDisagree
     from .loop import SaveFailed
     from .tensorfile import ModelMismatch

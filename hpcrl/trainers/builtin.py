@@ -49,17 +49,42 @@ class BuiltinTrainer(Trainer):
         import subprocess
 
         modules = sorted({n.partition(":")[0] for n in _reward_terms(args) if reward_kind(n) == "module"})
-        if not modules:
+        if modules:
+            try:  # cwd /: the job runs in its run dir, so the submit directory's modules are not the job's
+                out = subprocess.run([python, "-c", _FIND, *modules], capture_output=True, text=True, timeout=120,
+                                     cwd="/", env=env)
+            except (OSError, subprocess.TimeoutExpired):
+                return  # the interpreter itself is checked elsewhere (launch.check_trainer_python)
+            missing = out.stdout.split()
+            if out.returncode == 0 and missing:
+                raise SpecError(f"args.reward: module '{missing[0]}' is not importable by the trainer's python "
+                                f"{python}; pip install it there, or add its directory to env.PYTHONPATH in the spec")
+        self._probe(args, python, env)
+
+    def _probe(self, args: dict, python: str, env: dict) -> None:
+        """The reward files import, the data files hold the prompt column and rows, the model
+        directory exists: in the job's interpreter (probe.py), before any queue wait."""
+        from . import probe
+
+        a = {**SCHEMA.defaults, **(args or {})}
+        if a["model"] not in ("tiny", "smollm2"):
+            probe.check_model_dir("args.model", a["model"], env)
+        files = [reward_file(n) for n in _reward_terms(a) if reward_kind(n) == "file"]
+        tables = []
+        if a["data"] == "files":
+            for key in ("train_files", "val_files"):
+                path = probe.expand(a[key] or a["train_files"], env)
+                if path is not None and path.is_file():  # a missing one: prepare_data says so in the job
+                    tables.append((f"args.{key}", path))
+                elif path is not None:
+                    raise SpecError(f"args.{key}: {path} does not exist; give the absolute path of a parquet file")
+        facts = probe.probe(python, env, files, [str(p) for _, p in tables])
+        if facts is None:
             return
-        try:  # cwd /: the job runs in its run dir, so the submit directory's modules are not the job's
-            out = subprocess.run([python, "-c", _FIND, *modules], capture_output=True, text=True, timeout=120,
-                                 cwd="/", env=env)
-        except (OSError, subprocess.TimeoutExpired):
-            return  # the interpreter itself is checked elsewhere (launch.check_trainer_python)
-        missing = out.stdout.split()
-        if out.returncode == 0 and missing:
-            raise SpecError(f"args.reward: module '{missing[0]}' is not importable by the trainer's python {python}; "
-                            f"pip install it there, or add its directory to env.PYTHONPATH in the spec")
+        for i, (path, func) in enumerate(files):
+            probe.reward_error(facts, i, "args.reward", path, func, python)
+        for i, (key, path) in enumerate(tables):
+            probe.table(facts, i, key, path, ("prompt",))
 
     def requirements(self, args: dict, site: dict) -> list[str]:
         reqs = VLLM_REQUIREMENTS if (args or {}).get("rollout") == "vllm" else BASE_REQUIREMENTS

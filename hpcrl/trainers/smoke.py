@@ -24,7 +24,7 @@ import time
 
 from .. import protocol
 from ..ckptstore import CheckpointStore
-from ..schemas import Float, Int, Schema
+from ..schemas import Float, Int, Schema, Str
 from .base import Trainer, TrainerContext
 
 SCHEMA = Schema("smoke", [
@@ -33,6 +33,8 @@ SCHEMA = Schema("smoke", [
     Int("save_every", 10, "periodic checkpoint interval in steps (what a hard kill can lose)", ge=1),
     Int("keep_last", 3, "checkpoints kept", ge=1),
     Int("crash_at_step", None, "exit 1 (without saving) when reaching this step: crash-loop tests", ge=1, nullable=True),
+    Str("fail_if_exists", None, "exit 1 (without saving) at start or between steps while this file exists: "
+        "repeated-failure tests", nullable=True),
 ])
 
 
@@ -75,12 +77,21 @@ def _restore(store: CheckpointStore) -> tuple[int, str]:
     return int(state["step"]), str(state["digest"])
 
 
+def _fails(cfg: dict) -> bool:
+    if cfg.get("fail_if_exists") and os.path.exists(cfg["fail_if_exists"]):
+        print(f"smoke: error: {cfg['fail_if_exists']} exists", file=sys.stderr, flush=True)
+        return True
+    return False
+
+
 def train(cfg: dict, ctx: protocol.Context) -> int:
     stop = protocol.StopFlag(ctx, margin_s=1.0)
     store = CheckpointStore(ctx.ckpt_dir, keep_last=cfg["keep_last"])
     step, digest = _restore(store)
     saved = step
     print(f"smoke: segment {ctx.segment} starts at step {step} of {cfg['steps']}", flush=True)
+    if _fails(cfg):
+        return 1
     while step < cfg["steps"]:
         if stop.should_stop(next_step_s=cfg["step_time_s"], save_s=0.5):
             if saved != step:
@@ -88,6 +99,8 @@ def train(cfg: dict, ctx: protocol.Context) -> int:
             print(f"smoke: stopping for continuation at step {step} ({stop.reason or 'deadline'})", flush=True)
             return protocol.EXIT_CONTINUE
         time.sleep(cfg["step_time_s"])
+        if _fails(cfg):
+            return 1
         step += 1
         digest = _digest(digest, step)
         protocol.append_metrics(ctx.metrics_path, {"step": step, "segment": ctx.segment, "loss": round(1.0 / step, 6),

@@ -153,6 +153,32 @@ class VerlTrainer(Trainer):
         compose_check(self.overrides(_placeholder_ctx(merged)))
         return merged
 
+    def check_python(self, args: dict, python: str, env: dict) -> None:
+        """The reward file imports, the parquet files have the prompt column, and the data holds
+        the steps asked: verl's loop runs total_epochs x (rows // train_batch_size) batches
+        (its dataloader drops the last partial batch) and ends, unsaved, when they run out."""
+        from . import probe
+
+        a = {**self.defaults, **args}
+        probe.check_model_dir("args.model", a["model"], env)
+        files = [] if a["reward"] in ("hpcrl", "verl") else [reward_target(a["reward"], Path("/"))]
+        tables = []
+        for key in ("train_files", "val_files"):
+            path = probe.expand(a[key], env)
+            if path is not None and not path.is_file():
+                raise SpecError(f"args.{key}: {path} does not exist; give the absolute path of a parquet file")
+            if path is not None:
+                tables.append((f"args.{key}", path))
+        facts = probe.probe(python, env, files, [str(p) for _, p in tables])
+        if facts is None:
+            return
+        for i, (path, func) in enumerate(files):
+            probe.reward_error(facts, i, "args.reward", path, func, python)
+        prompt_key = _override_value(a["overrides"], "data.prompt_key") or "prompt"
+        rows = {key: probe.table(facts, i, key, path, (prompt_key,)) for i, (key, path) in enumerate(tables)}
+        if rows.get("args.train_files") is not None:
+            check_steps(a, rows["args.train_files"])
+
     # ------------------------------------------------------------ the command line
 
     def requirements(self, args: dict, site: dict) -> list[str]:
@@ -285,6 +311,29 @@ def reward_target(reward: str, shipped: Path) -> tuple[str, str]:
     if not path.endswith(".py"):
         raise SpecError(f"args.reward: '{reward}' is not hpcrl, verl or /path/file.py[:function]")
     return path, name or "compute_score"
+
+
+def check_steps(a: dict, rows: int) -> None:
+    """A SpecError when verl would run out of data before total_training_steps (or has none)."""
+    batches = rows // int(a["train_batch_size"])
+    if batches == 0:
+        raise SpecError(f"args.train_batch_size {a['train_batch_size']}: train_files holds only {rows} rows, not one "
+                        f"batch (verl drops a partial batch); lower train_batch_size to at most {rows}")
+    steps, epochs = a.get("total_training_steps"), int(a["total_epochs"])
+    if steps is not None and int(steps) > epochs * batches:
+        need = -(-int(steps) // batches)
+        raise SpecError(f"args.total_training_steps {steps}: the data holds {epochs} epochs x {batches} batches = "
+                        f"{epochs * batches} steps ({rows} rows of train_files / train_batch_size "
+                        f"{a['train_batch_size']}); verl would stop unsaved at step {epochs * batches}: set "
+                        f"args.total_training_steps to at most {epochs * batches}, or args.total_epochs to {need}")
+
+
+def _override_value(overrides, key: str) -> str | None:
+    for ov in overrides or []:
+        m = _OVERRIDE.match(ov)
+        if m and m.group(2) == key:
+            return m.group(3)
+    return None
 
 
 def _gpus_per_node(ctx) -> int:

@@ -206,6 +206,14 @@ export HPCRL_JOB_END_TIME=$(( $(date +%s) + segment_s ))
 syncer=$!
 setsid bash "$run_dir/job.sh" &
 job=$!
+# `hpcrl stop`: the launcher leaves jobs/<job>/stop in the bucket; the segment gets the USR1 of
+# its walltime (save, exit for continuation), and the launcher queues nothing after it.
+( while sleep "$HPCRL_SYNC_S"; do
+    if gs cat "$run_uri/jobs/$HPCRL_JOB_ID/stop" >/dev/null 2>&1; then
+      echo "hpcrl: stop asked (hpcrl stop): USR1"; kill -USR1 "$job"; break
+    fi
+  done ) &
+stopper=$!
 terminated=""
 # SIGTERM: the VM is shutting down (spot preemption with ~30 s notice, or deletion).
 trap 'terminated=1; echo "hpcrl: TERM (preemption or deletion): stopping the segment"; kill -TERM -- "-$job" 2>/dev/null' TERM
@@ -223,7 +231,7 @@ while kill -0 "$job" 2>/dev/null; do
 done
 wait "$job"
 rc=$?
-for p in "$timer" "$syncer"; do
+for p in "$timer" "$syncer" "$stopper"; do
   pkill -P "$p" 2>/dev/null
   kill "$p" 2>/dev/null
 done

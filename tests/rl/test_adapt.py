@@ -115,3 +115,24 @@ def test_convert_template_checks_fields_by_name():
     rows, dropped = convert.convert([{"q": "hi", "meta": {"level": 3}}, {"q": "x", "meta": {}}], "q",
                                     answer_field=None, template="{prompt} L{meta.level}")
     assert rows[0]["prompt"][0]["content"] == "hi L3" and dropped == {"no template field 'level'": 1}
+
+
+def test_a_templates_backslash_n_is_a_newline_and_accuracy_beside_a_custom_reward_is_explained(tmp_path):
+    """#29: docs/adapt.md's `--template "Translate:\\n{prompt}"` reaches the program as backslash
+    + n (a shell's double quotes keep it): the prompt gets a newline, not a literal backslash-n.
+    And a custom reward's evaluation line says what its "accuracy" counts."""
+    src = tmp_path / "mine.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in USER_ROWS))
+    p = _cli("data", "convert", "--from", str(src), "--prompt-field", "task", "--tests-field", "checks",
+             "--template", "Translate to Python:\\n{prompt}", "--out", str(tmp_path / "d"))
+    assert p.returncode == 0, p.stderr
+    rows = data.load_examples(tmp_path / "d" / "train.parquet")
+    assert rows[0]["messages"][-1]["content"] == "Translate to Python:\nWrite f(a, b) returning the sum."
+    reward = tmp_path / "half.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    run = tmp_path / "run"
+    write_config(run, reward=f"{reward}:score", sft_steps=0, total_steps=1, eval_size=4)
+    rc, out, err = run_trainer(run)
+    assert rc == 0, err[-2000:]
+    line = next(ln for ln in out.splitlines() if "eval_before step 0" in ln)
+    assert "accuracy=0.000 (the share of answers scoring >= 1.0: a custom reward's scale may never reach it)" in line

@@ -203,3 +203,18 @@ def test_resume_with_another_model_is_a_one_line_error(straight, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hpcrl.rl: error: a checkpoint does not fit the model"), err
     assert "Traceback" not in err
     assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "checkpoints").iterdir()} == before
+
+
+def test_a_reward_that_does_not_import_fails_before_the_model_is_made_in_the_run(tmp_path):
+    """#29: the reward loads first: a run that fails at its import holds no model copy (SmolLM2:
+    517 MB; here the tiny model the trainer would build) and no generated data, and says why in
+    one line (trainer_error.txt, what status shows)."""
+    reward = tmp_path / "r.py"
+    reward.write_text("import nosuchpkg_t29\ndef score(*a, **k):\n    return 0.0\n")
+    run_dir = tmp_path / "run"
+    write_config(run_dir, reward=f"{reward}:score")
+    rc, out, err = run_trainer(run_dir)
+    assert rc == 2 and "No module named 'nosuchpkg_t29'" in err, err[-2000:]
+    assert not (run_dir / "model").exists() and not (run_dir / "data").exists()
+    why = (run_dir / protocol.ERROR_FILE).read_text()
+    assert why.startswith(f"args.reward '{reward}:score': ModuleNotFoundError: No module named 'nosuchpkg_t29'"), why

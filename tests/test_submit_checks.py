@@ -1,0 +1,144 @@
+"""What a job would trip on at its start is refused at `hpcrl submit` (issue #29 item 1, #31 item 6),
+checked in the job's own interpreter: the reward file imports, the data has its columns and the
+rows for the steps asked, the model directory exists. One line, no run left behind."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from helpers import hpcrl
+
+from hpcrl.errors import SpecError
+
+
+def _parquet(path, rows: int, columns=("prompt", "data_source", "reward_model")):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = {"prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(rows)],
+            "data_source": ["arithmetic"] * rows, "reward_model": [{"style": "rule", "ground_truth": "1"}] * rows}
+    pq.write_table(pa.table({c: data[c] for c in columns}), path)
+    return path
+
+
+def _no_run_left(home):
+    from hpcrl.runs import registered_ids
+
+    runs_dir = home / "runs"
+    return registered_ids() == [] and (not runs_dir.exists() or not any(runs_dir.iterdir()))
+
+
+def _refused(home, r, said):
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert _no_run_left(home)
+
+
+def test_a_reward_file_importing_a_missing_module_is_refused_at_submit(fast_local, home, tmp_path):
+    file = tmp_path / "my_reward.py"
+    file.write_text("import nosuchpkg_r29\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return 1.0\n")
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "imp",
+              "--set", f"args.reward={file}:score", check=False, cwd=tmp_path)
+    _refused(home, r, f"reward file {file} fails to import in the trainer's python")
+    assert "No module named 'nosuchpkg_r29'" in r.stderr and "pip install" in r.stderr
+
+
+def test_a_reward_file_whose_function_is_made_at_import_passes(tmp_path):
+    """The import is the truth the job will see: a function bound at run time is found there."""
+    from hpcrl.trainers.builtin import BuiltinTrainer
+
+    file = tmp_path / "r.py"
+    file.write_text("def _make():\n    return lambda *a, **k: 0.0\nscore = _make()\n")
+    BuiltinTrainer().check_python({"reward": f"{file}:score"}, sys.executable, {})
+    file.write_text("raise SystemExit('no GPU here')\ndef score(*a):\n    return 0\n")
+    with pytest.raises(SpecError, match="fails to import .*SystemExit: no GPU here"):
+        BuiltinTrainer().check_python({"reward": f"{file}:score"}, sys.executable, {})
+
+
+@pytest.mark.parametrize("case, said", [
+    ("no_prompt", "has no column 'prompt'"),
+    ("empty", "has no rows"),
+    ("not_parquet", "cannot be read as parquet"),
+    ("missing", "does not exist"),
+])
+def test_builtin_data_files_are_checked_at_submit(fast_local, home, tmp_path, case, said):
+    path = tmp_path / "train.parquet"
+    if case == "no_prompt":
+        _parquet(path, 8, columns=("data_source",))
+    elif case == "empty":
+        _parquet(path, 0)
+    elif case == "not_parquet":
+        path.write_text("question,answer\n1,2\n")
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "data",
+              "--set", "args.data=files", "--set", f"args.train_files={path}", check=False)
+    _refused(home, r, f"args.train_files: {path} {said}")
+
+
+def test_a_builtin_model_directory_that_does_not_exist_is_refused(fast_local, home, tmp_path):
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "mdl",
+              "--set", f"args.model={tmp_path / 'Qwen2.5-0.5B'}", check=False)
+    _refused(home, r, f"args.model: {tmp_path / 'Qwen2.5-0.5B'} does not exist; download the model first")
+
+
+def _verl_args(tmp_path, rows=64):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    train, val = _parquet(tmp_path / "train.parquet", rows), _parquet(tmp_path / "val.parquet", 8)
+    return ["--set", f"args.model={model}", "--set", f"args.train_files={train}", "--set", f"args.val_files={val}",
+            "--set", "args.train_batch_size=4", "--set", "args.ppo_mini_batch_size=4"]
+
+
+def test_a_verl_run_asking_more_steps_than_its_data_holds_is_refused_at_submit(fast_local, home, tmp_path):
+    """#31 item 6: 64 rows, batch 4, the recipe's 15 epochs = 240 steps, 400 asked: the run would
+    stop unsaved at 240, two whole segments later. Refused, with the two ways out."""
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "verl", "--hours", "0.01", "--name", "vsteps",
+              *_verl_args(tmp_path), "--set", "args.total_epochs=15", "--set", "args.total_training_steps=400",
+              check=False)
+    _refused(home, r, "args.total_training_steps 400: the data holds 15 epochs x 16 batches = 240 steps")
+    assert "at most 240, or args.total_epochs to 25" in r.stderr
+
+
+def test_verl_steps_within_the_data_and_its_batches_pass_the_check(tmp_path):
+    from hpcrl.trainers.verl import VerlTrainer, check_steps
+
+    a = VerlTrainer().validate_args({"model": "m", "train_files": "/t", "val_files": "/v", "train_batch_size": 4,
+                                     "ppo_mini_batch_size": 4, "total_epochs": 15, "total_training_steps": 240})
+    check_steps(a, 64)
+    check_steps({**a, "total_training_steps": None}, 64)  # epochs decide: always within the data
+    check_steps(a, 67)  # 16 batches: the partial one is dropped
+    with pytest.raises(SpecError, match="241: the data holds 15 epochs x 16 batches .* or args.total_epochs to 16"):
+        check_steps({**a, "total_training_steps": 241}, 67)
+    with pytest.raises(SpecError, match="holds only 3 rows, not one batch"):
+        check_steps(a, 3)
+
+
+def test_verl_data_read_in_the_interpreter_and_a_custom_prompt_key(tmp_path):
+    from hpcrl.trainers.verl import VerlTrainer
+
+    args = {"model": str(tmp_path / "model"), "train_files": str(_parquet(tmp_path / "t.parquet", 8, ("data_source",))),
+            "val_files": str(_parquet(tmp_path / "v.parquet", 8, ("data_source",))), "train_batch_size": 4,
+            "ppo_mini_batch_size": 4}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(SpecError, match="has no column 'prompt'"):
+        VerlTrainer().check_python(VerlTrainer().validate_args(args), sys.executable, {})
+    args["overrides"] = ["data.prompt_key=data_source"]
+    VerlTrainer().check_python(VerlTrainer().validate_args(args), sys.executable, {})
+
+
+def test_the_mistakes_table_quotes_what_the_cli_says(fast_local, home, tmp_path):
+    """docs/mistakes.md: its rows are the CLI's own words (two checked here end to end)."""
+    from helpers import ROOT
+
+    doc = (ROOT / "docs" / "mistakes.md").read_text()
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "verl", "--hours", "0.01", "--name", "doc",
+              *_verl_args(tmp_path), "--set", "args.total_training_steps=400", check=False)
+    said = r.stderr.strip().removeprefix("hpcrl: error: ")
+    assert said.split(" (")[0] in doc and said.split("; ", 1)[1] in doc, said
+    r = hpcrl("render", "--site", "perlmutter", "--account", "m1234_g", "--trainer", "smoke", "--hours", "72",
+              "--total-hours", "10", check=False)
+    assert r.stderr.strip().removeprefix("hpcrl: error: ") in doc, r.stderr
