@@ -5,7 +5,6 @@ anything else is a bug and keeps its traceback. Imports stay inside the commands
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,6 +20,26 @@ class _Parser(argparse.ArgumentParser):
         where = self.prog[len("hpcrl"):].strip()
         print(f"hpcrl: error: {where + ': ' if where else ''}{message}; see `{self.prog} --help`", file=sys.stderr)
         sys.exit(2)
+
+    def _get_formatter(self):
+        # argparse makes a formatter for every add_argument (to check its metavar), and its own
+        # finds the width with shutil.get_terminal_size: importing shutil (bz2, lzma) cost `status`
+        # more than building its parser. The same width, as shutil computes it, without shutil.
+        return self.formatter_class(prog=self.prog, width=_columns() - 2)
+
+
+def _columns() -> int:
+    """shutil.get_terminal_size().columns: $COLUMNS, else stdout's terminal, else 80."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns > 0:
+        return columns
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):
+        return 80
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -100,6 +119,8 @@ def cmd_venv(ns) -> int:
 
 
 def cmd_status(ns) -> int:
+    import json
+
     from . import report, runs
 
     problems: dict = {}
@@ -258,6 +279,8 @@ def cmd_stop(ns) -> int:
 
 
 def cmd_sites(ns) -> int:
+    import json
+
     from .spec import list_sites, load_site
 
     rows = []
@@ -411,11 +434,39 @@ def _rl_command(name: str):
 RUN_HELP = "run id, or any unique start of it (`hpcrl status` lists them)"
 
 
-def build_parser(listing: bool = False) -> argparse.ArgumentParser:
-    """listing: the top-level help is to be printed (it names the forwarded commands' sub-commands)."""
+class _Unbuilt:
+    """Stands for the parser of a command this invocation does not run: it takes every call
+    (add_argument, set_defaults) and builds nothing."""
+
+    _actions = ()
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self
+
+
+class _Commands(argparse._SubParsersAction):
+    """Sub-commands whose parsers are built only for the command given (`only`): the others keep
+    their name and help line (for the listing and the invalid-choice error) and nothing else, as
+    building all seventeen costs more than the rest of `hpcrl --help`."""
+
+    only: str | None = None  # None: build every command's parser
+
+    def add_parser(self, name, **kwargs):
+        if self.only is None or name == self.only:
+            return super().add_parser(name, **kwargs)
+        if "help" in kwargs:
+            self._choices_actions.append(self._ChoicesPseudoAction(name, (), kwargs["help"]))
+        self._name_parser_map[name] = _Unbuilt()
+        return self._name_parser_map[name]
+
+
+def build_parser(listing: bool = False, only: str | None = None) -> argparse.ArgumentParser:
+    """listing: the top-level help is to be printed (it names the forwarded commands' sub-commands).
+    only: build the arguments of this command alone (main passes the one given); None: of all."""
     p = _Parser(prog="hpcrl", description="RL post-training on batch systems with walltimes: "
                                 "render, submit, checkpoint before the walltime, resubmit, resume, watch.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, action=_Commands)
+    sub.only = only
     for name, fn, help_ in (("submit", cmd_submit, "create a run and queue its first segment"),
                             ("render", cmd_render, "print the exact script submit would send")):
         sp = sub.add_parser(name, help=help_, description=help_)
@@ -519,25 +570,14 @@ def build_parser(listing: bool = False) -> argparse.ArgumentParser:
 FORWARDED = {"data": "make datasets", "model": "build a model locally"}
 
 
-def _forwarded_subcommands(name: str) -> list[str]:
-    """The sub-commands of `hpcrl NAME` as hpcrl/rl/commands.py defines them: the add_parser names
-    in the function that builds the parser with prog="hpcrl NAME". Read from the source (the
-    launcher never imports hpcrl.rl), only for the top-level help."""
-    import ast
-    from pathlib import Path
+# Their sub-commands, for the top-level help: as hpcrl/rl/commands.py defines them (the launcher
+# never imports hpcrl.rl, and parsing its source cost more than the rest of `hpcrl --help`);
+# tests/test_cli.py reads them from that file's source and fails when this copy differs.
+FORWARDED_SUBCOMMANDS = {"data": ("countdown", "gsm8k", "convert", "code-tiny"), "model": ("tiny", "smollm2")}
 
-    try:
-        tree = ast.parse((Path(__file__).parent / "rl" / "commands.py").read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return []
-    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
-        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
-        progs = [k.value.value for c in calls for k in c.keywords
-                 if k.arg == "prog" and isinstance(k.value, ast.Constant)]
-        if f"hpcrl {name}" in progs:
-            return [c.args[0].value for c in calls if isinstance(c.func, ast.Attribute)
-                    and c.func.attr == "add_parser" and c.args and isinstance(c.args[0], ast.Constant)]
-    return []
+
+def _forwarded_subcommands(name: str) -> tuple[str, ...]:
+    return FORWARDED_SUBCOMMANDS.get(name, ())
 
 
 def _help_when_incomplete(parser: argparse.ArgumentParser) -> None:
@@ -552,7 +592,9 @@ def _help_when_incomplete(parser: argparse.ArgumentParser) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    parser = build_parser(listing=not argv or argv[0] in ("-h", "--help"))
+    # the command given: the first word that is not an option ("" when none: build no command's arguments)
+    parser = build_parser(listing=not argv or argv[0] in ("-h", "--help"),
+                          only=next((a for a in argv if not a.startswith("-")), ""))
     if argv and argv[0] in FORWARDED:
         # every argument goes to the trainer's parser, its --help and -h too (argparse's REMAINDER
         # would stop at a leading option); alone, the command lists its sub-commands

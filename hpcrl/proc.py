@@ -4,7 +4,6 @@ timeout, no stdin, and a one-line BackendError with the command and its stderr t
 from __future__ import annotations
 
 import shutil
-import subprocess
 from dataclasses import dataclass
 
 from .errors import BackendError
@@ -24,6 +23,8 @@ def run_command(argv: list[str], timeout_s: float = 60, check: bool = True, inpu
     exe = argv[0]
     if shutil.which(exe) is None and "/" not in exe:
         raise BackendError(f"'{exe}' is not on PATH; run hpcrl where the scheduler's commands are installed (a login node)")
+    import subprocess  # here: render and status load this module and never run a command
+
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, input=input_text,
                               env=env, stdin=None if input_text is not None else subprocess.DEVNULL)

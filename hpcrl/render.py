@@ -105,6 +105,19 @@ class ScriptParts:
     nccl: dict | None = None  # multi-node NCCL set-up from the site (stack.nccl_setup): modules, env
 
 
+def _template_cache(jinja2):
+    """The compiled template, kept between runs under the registry home (compiling segment.sh.j2
+    costs more than the rest of `hpcrl render`); jinja2 checks it against the template's source
+    and Python's version, writes it atomically and ignores a failed write. A home that cannot
+    hold it: no cache, the template compiled each time."""
+    path = hpcrl_home() / "cache" / "templates"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return jinja2.FileSystemBytecodeCache(str(path))
+
+
 def render_script(p: ScriptParts) -> str:
     """The segment script, byte for byte what the backend submits."""
     import jinja2
@@ -113,7 +126,8 @@ def render_script(p: ScriptParts) -> str:
     env = sorted({**site.get("env", {}), **p.spec_env}.items()) + sorted(p.trainer_env.items())
     expanded = job_env(site, {k for k, _ in env})
     jenv = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True, trim_blocks=False, autoescape=False)
+                              keep_trailing_newline=True, trim_blocks=False, autoescape=False,
+                              bytecode_cache=_template_cache(jinja2))
     jenv.filters["q"] = q
     jenv.filters["comment"] = comment
     return jenv.get_template("segment.sh.j2").render(

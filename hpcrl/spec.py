@@ -121,7 +121,7 @@ def site_keys() -> dict:
 
 
 def load_yaml(path: Path, what: str) -> dict:
-    import yaml  # lazy: `status` and `logs` never need it
+    from . import yamlcache
 
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -129,6 +129,11 @@ def load_yaml(path: Path, what: str) -> dict:
         raise SpecError(f"{what} {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"{what} {path}: cannot read it ({e.__class__.__name__})") from None
+    cached = yamlcache.get(text)
+    if cached is not None:
+        return cached
+    import yaml  # lazy: `status` and `logs` never need it, nor a file read before (yamlcache)
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -140,13 +145,12 @@ def load_yaml(path: Path, what: str) -> dict:
         return {}
     if not isinstance(data, dict):
         raise SpecError(f"{what} {path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    yamlcache.put(text, data)
     return data
 
 
 def parse_set(items: list[str]) -> dict:
     """--set a.b=VALUE ... into a nested dict; values are YAML scalars ('4' -> 4, 'true' -> True)."""
-    import yaml
-
     out: dict = {}
     for item in items or []:
         key, sep, raw = str(item).partition("=")
@@ -162,6 +166,8 @@ def parse_set(items: list[str]) -> dict:
         if re.search(r"(^|\s)#", raw) and not quoted:
             value = raw  # YAML would read ' #...' as a comment and silently drop it: keep it whole
         else:
+            import yaml  # here: no --set, no yaml (see load_yaml)
+
             try:
                 value = yaml.safe_load(raw) if raw.strip() else ""
             except yaml.YAMLError:

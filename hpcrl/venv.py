@@ -18,7 +18,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +103,8 @@ def readiness(p: Plan) -> str | None:
         return "not built" if not p.path.exists() else "not ready (a build that did not finish)"
     if text != p.marker_text():
         return "built for other requirements"
+    import subprocess  # here: render loads this module and runs nothing
+
     try:
         ok = subprocess.run([str(p.path / "bin" / "python"), "-c", ""], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -151,6 +152,8 @@ def _build(p: Plan, say) -> None:
     shutil.rmtree(p.path, ignore_errors=True)
     say(f"building venv {p.path} ({len(p.requirements)} requirements{'; ' + p.size if p.size else ''}; "
         f"pip's output: {p.log})")
+    import subprocess
+
     reqs = p.path.parent / (p.path.name + ".requirements.txt")
     reqs.write_text(p.marker_text(), encoding="utf-8")
     try:

@@ -104,6 +104,7 @@ def bench_startup(repeat: int) -> dict:
                  "hpcrl status --json (1,000 runs)": [py, "-m", "hpcrl.cli", "status", "--json"],
                  "hpcrl status (1,000 runs, terminal: rich)": [py, "-m", "hpcrl.cli", "status"]}
         timed(cases["hpcrl status (1,000 runs, piped)"], env)  # the first one fills the finished-run cache
+        timed(cases["hpcrl render --trainer smoke"], env)  # and the template's and the parsed YAML's
         samples = {k: [] for k in cases}
         for _ in range(repeat):
             for name, argv in cases.items():

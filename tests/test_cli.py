@@ -134,3 +134,87 @@ def test_data_and_model_without_the_ml_extra_say_which_extra_in_one_line(home, t
         assert r.returncode == 2, r.stderr
         assert r.stderr == f"hpcrl: error: `hpcrl {argv[0]}` needs the ML extra: pip install 'hpcrl[rl]' ({missing} is missing)\n"
         assert not (tmp_path / argv[-1].name).exists()
+
+
+def _subcommands_in_source(name: str) -> list[str]:
+    """The sub-commands of `hpcrl NAME` as hpcrl/rl/commands.py defines them: the add_parser names
+    in the function that builds the parser with prog="hpcrl NAME"."""
+    import ast
+
+    tree = ast.parse((ROOT / "hpcrl" / "rl" / "commands.py").read_text(encoding="utf-8"))
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+        progs = [k.value.value for c in calls for k in c.keywords
+                 if k.arg == "prog" and isinstance(k.value, ast.Constant)]
+        if f"hpcrl {name}" in progs:
+            return [c.args[0].value for c in calls if isinstance(c.func, ast.Attribute)
+                    and c.func.attr == "add_parser" and c.args and isinstance(c.args[0], ast.Constant)]
+    return []
+
+
+def test_the_help_s_copy_of_the_forwarded_sub_commands_matches_rl_commands_source():
+    from hpcrl.cli import FORWARDED, FORWARDED_SUBCOMMANDS
+
+    assert set(FORWARDED_SUBCOMMANDS) == set(FORWARDED)
+    for name in FORWARDED:
+        found = _subcommands_in_source(name)
+        assert found, f"no parser with prog='hpcrl {name}' in hpcrl/rl/commands.py"
+        assert list(FORWARDED_SUBCOMMANDS[name]) == found, \
+            f"hpcrl/cli.py FORWARDED_SUBCOMMANDS[{name!r}] is stale: hpcrl/rl/commands.py defines {found}"
+
+
+def _arguments(parser) -> list:
+    return [(a.dest, tuple(a.option_strings), a.nargs, a.default, a.help,
+             tuple(a.choices) if isinstance(a.choices, (list, tuple)) else None) for a in parser._actions]
+
+
+def test_a_parser_built_for_one_command_parses_it_as_the_full_parser_does():
+    from hpcrl.cli import build_parser
+
+    def commands(parser):
+        return next(a for a in parser._actions if a.dest == "command")
+
+    full = commands(build_parser())
+    for name, sp in full.choices.items():
+        alone = commands(build_parser(only=name))
+        assert list(alone.choices) == list(full.choices)  # every name stays a valid choice
+        assert [(a.dest, a.help) for a in alone._choices_actions] == [(a.dest, a.help) for a in full._choices_actions]
+        assert _arguments(alone.choices[name]) == _arguments(sp), name
+        assert sp.get_default("func").__name__ == alone.choices[name].get_default("func").__name__
+
+
+# Modules the CLI loads only where a command needs them (kept out of start-up for speed); not timed.
+# render: yaml once its files are in the cache (hpcrl/yamlcache.py), subprocess and socket never.
+LAZY = {("--help",): ("ast", "json", "yaml", "jinja2", "shutil", "hpcrl.spec", "hpcrl.report", "hpcrl.launch"),
+        ("status",): ("ast", "yaml", "jinja2", "shutil", "hpcrl.spec", "hpcrl.launch", "hpcrl.render", "subprocess"),
+        ("render", "--trainer", "smoke"): ("yaml", "subprocess", "socket", "selectors")}
+
+
+@pytest.mark.parametrize("argv", sorted(LAZY))
+def test_start_up_does_not_import_what_the_command_does_not_need(home, argv):
+    hpcrl(*argv)  # the first one fills the caches
+    code = ("import sys, io, contextlib\nfrom hpcrl.cli import main\nwith contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n        main(%r)\n    except SystemExit:\n        pass\n"
+            "print('LOADED=' + ','.join(m for m in %r if m in sys.modules))" % (list(argv), LAZY[argv]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "LOADED=", out
+
+
+def test_yaml_cache_gives_back_what_yaml_read_and_keeps_only_what_json_round_trips(home, tmp_path):
+    import yaml
+
+    from hpcrl import spec, yamlcache
+
+    f = tmp_path / "s.yaml"
+    f.write_text("trainer: smoke\nargs: {steps: 3, lr: 1.0e-6, flag: true, name: 'x: y'}\nlist: [1, 2.5, null]\n")
+    first = spec.load_yaml(f, "spec file")
+    assert first == yaml.safe_load(f.read_text()) and yamlcache.get(f.read_text()) == first
+    assert spec.load_yaml(f, "spec file") == first
+    f.write_text("trainer: smoke\nargs: {steps: 4}\n")  # changed text: read afresh, never the old one
+    assert spec.load_yaml(f, "spec file") == {"trainer": "smoke", "args": {"steps": 4}}
+    for text in ("when: 2024-01-01\n", "args: {1: one}\n", "x: !!set {a}\n"):  # not JSON's: not kept
+        f.write_text(text)
+        assert spec.load_yaml(f, "spec file") == yaml.safe_load(text) and yamlcache.get(text) is None
+    f.write_text("trainer: [smoke\n")  # a cached file never hides an error in an edited one
+    with pytest.raises(Exception, match="is not valid YAML"):
+        spec.load_yaml(f, "spec file")

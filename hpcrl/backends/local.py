@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,6 +101,8 @@ class LocalBackend(Backend):
         return RankLaunch(prelude="", prefix=[], rendezvous=["--standalone"])
 
     def submit(self, run, resolved: dict, after: str | None = None) -> str:
+        import subprocess  # here: `hpcrl render` loads this module and starts nothing
+
         run_dir, script = run.dir, run.layout.script
         job_id = _next_id(run_dir)
         path = _record_path(run_dir, job_id)
@@ -211,6 +212,8 @@ class _Supervisor:
             time.sleep(POLL_S * 2)
 
     def run(self) -> None:
+        import subprocess
+
         if not self.wait_turn():
             return
         script = Path(self.rec["script"])
