@@ -33,6 +33,9 @@ PLATFORM = "x86_64-manylinux_2_28"
 _INDEX_OPTION = re.compile(r"^--(extra-)?index-url\s+(\S+)$")
 _DIRECT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*@\s*(\S+)$")
 _WHEEL_VERSION = re.compile(r"/[A-Za-z0-9_.]+-([0-9][^-/]*)-[^/]+\.whl$")
+_TORCH_BACKEND = re.compile(r"^--torch-backend[= ](\S+)$")
+# uv: "Because there is no version of torch==2.11.0+cpu and ..."
+_NO_VERSION = re.compile(r"there is no version of ([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s+]+)\+(\w+)")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;]+)$")
 
 
@@ -114,26 +117,49 @@ def reachable_form(requirements: list[str], can_reach=reachable) -> tuple[list[s
     return final, subs
 
 
+def reachable_options(options: list[str], can_reach=reachable) -> tuple[list[str], dict[str, str], list[str]]:
+    """uv options as they can run here: `--torch-backend=B` needs PyTorch's index for B; where it
+    is unreachable the option is dropped (and said so), and the set's `X==V+B` pins (MaxText's
+    metadata pins torch==2.11.0+cpu) are resolved as `X==V` from the default index instead.
+    Returns (options, substituted, local tags whose pins become plain)."""
+    out, subs, plain_tags = [], {}, []
+    for opt in options:
+        backend = _TORCH_BACKEND.match(opt)
+        if backend and not can_reach(f"https://download.pytorch.org/whl/{backend.group(1)}/"):
+            subs[opt] = f"dropped: https://download.pytorch.org/whl/{backend.group(1)}/ is not reachable from here"
+            plain_tags.append(backend.group(1))
+            continue
+        out.append(opt)
+    return out, subs, plain_tags
+
+
 def resolve(requirements: list[str], python: str = "3.12", cache_dir: Path | None = None,
-            can_reach=reachable) -> Resolved:
-    """The packages `requirements` install on Linux x86_64 with `python` (major.minor)."""
+            can_reach=reachable, platform: str = PLATFORM, options: list[str] = ()) -> Resolved:
+    """The packages `requirements` install on Linux `platform` with `python` (major.minor), with
+    uv's own `options` (--torch-backend=B, --resolution=lowest, --override=FILE) as installed."""
     import time
 
     reqs, subs = reachable_form(list(requirements), can_reach)
+    opts, opt_subs, plain_tags = reachable_options(list(options), can_reach)
+    subs.update(opt_subs)
     uv = uv_binary()
     version = _uv_version(uv)
-    key = hashlib.sha256("\n".join([python, PLATFORM, version, *reqs]).encode()).hexdigest()[:20]
+    overrides = [Path(o.split("=", 1)[1]).read_text(encoding="utf-8") for o in opts if o.startswith("--override=")]
+    key = hashlib.sha256("\n".join([python, platform, version, *reqs, *opts, *overrides]).encode()).hexdigest()[:20]
     cache = Path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache and cache.is_file():
         data = json.loads(cache.read_text(encoding="utf-8"))
+        subs.update(data.get("substituted", {}))
         return Resolved({n: Package(**p) for n, p in data["packages"].items()}, subs, data["seconds"], True)
     start = time.monotonic()
-    packages = _compile(uv, reqs, python)
+    packages, plain = _compile_plain_tags(uv, reqs, python, platform, opts, plain_tags)
+    subs.update(plain)
     took = time.monotonic() - start
     if cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"packages": {n: p.__dict__ for n, p in packages.items()}, "seconds": took},
+        tmp.write_text(json.dumps({"packages": {n: p.__dict__ for n, p in packages.items()}, "seconds": took,
+                                   "substituted": plain},
                                   indent=1, sort_keys=True), encoding="utf-8")
         os.replace(tmp, cache)
     return Resolved(packages, subs, took, False)
@@ -144,12 +170,39 @@ def _uv_version(uv: str) -> str:
     return subprocess.run([uv, "--version"], capture_output=True, text=True).stdout.strip()
 
 
-def _compile(uv: str, reqs: list[str], python: str) -> dict[str, Package]:
+def _compile_plain_tags(uv: str, reqs: list[str], python: str, platform: str, opts: list[str],
+                        plain_tags: list[str]) -> tuple[dict[str, Package], dict[str, str]]:
+    """_compile; where a dropped torch backend's `X==V+B` pin has no version on the default index,
+    again with the override `X==V` (one package at a time, as uv names them)."""
+    plain: dict[str, str] = {}
+    for _ in range(8):
+        try:
+            return _compile(uv, reqs, python, platform, opts, list(plain.values())), {
+                f"{k} (a dependency's pin)": f"{v} from the default index (its build's index is not reachable)"
+                for k, v in plain.items()}
+        except ResolveError as e:
+            missing = _NO_VERSION.search(str(e))
+            pin = missing and f"{missing.group(1)}=={missing.group(2)}+{missing.group(3)}"
+            if not missing or missing.group(3) not in plain_tags or pin in plain:
+                raise
+            plain[pin] = f"{missing.group(1)}=={missing.group(2)}"
+    raise ResolveError("too many local-version pins to resolve without their index")
+
+
+def _compile(uv: str, reqs: list[str], python: str, platform: str = PLATFORM, opts: list[str] = (),
+             more_overrides: list[str] = ()) -> dict[str, Package]:
     with tempfile.TemporaryDirectory(prefix="hpcrl-resolve-") as tmp:
         src = Path(tmp) / "req.in"
         src.write_text("".join(f"{r}\n" for r in reqs), encoding="utf-8")
-        base = [uv, "pip", "compile", str(src), "--python-version", python, "--python-platform", PLATFORM,
-                "--no-header", "--quiet"]
+        extra_opts = []
+        overrides = [Path(o.split("=", 1)[1]).read_text(encoding="utf-8") for o in opts if o.startswith("--override=")]
+        if overrides or more_overrides:  # one overrides file: the set's own, then the stand-ins for its dropped builds
+            ov = Path(tmp) / "overrides.txt"
+            ov.write_text("\n".join([*overrides, *more_overrides, ""]), encoding="utf-8")
+            extra_opts = ["--override", str(ov)]
+        extra_opts += [o for o in opts if not o.startswith("--override=")]
+        base = [uv, "pip", "compile", str(src), "--python-version", python, "--python-platform", platform,
+                "--no-header", "--quiet", *extra_opts]
         env = {**os.environ, "UV_NO_CONFIG": "1"}
         txt, lock = Path(tmp) / "req.txt", Path(tmp) / "pylock.toml"
         for extra in (["-o", str(txt)], ["--format", "pylock.toml", "-o", str(lock)]):

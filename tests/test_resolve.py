@@ -1,4 +1,4 @@
-"""Every GPU recipe's venv resolves for the machine it is built for (issue 31).
+"""Every GPU and TPU recipe's venv resolves for the machine it is built for (issue 31).
 
 Each recipe's complete requirement set as `hpcrl render --site perlmutter` renders it is resolved
 for Linux x86_64 and the site's Python (`uv pip compile --python-platform`, metadata only: a
@@ -38,11 +38,17 @@ CACHE = Path(os.environ.get("HPCRL_RESOLVE_CACHE") or Path.home() / ".cache" / "
 RESOLVED: dict[str, rs.Resolved] = {}  # name -> its resolve, for the size table below
 
 
-def tpu_requirement_sets() -> list[tuple[str, list[str], str, str]]:
-    """HOOK for the TPU recipes (issue 31 item 4, the `tpu` work): (name, requirements, python,
-    driver note) of each TPU recipe's VM venv as MaxText documents it. Returns none until that
-    function exists; then each set goes through the same resolve and checks as the GPU sets."""
-    return []
+TPU_RECIPES = ["maxtext-llama3.1-8b-grpo", "maxtext-llama3.1-8b-gspo"]
+
+
+def tpu_case(recipe: str) -> tuple[list[str], list[str]]:
+    """A TPU recipe's VM venv as MaxText 0.2.5 documents it: (requirement lines, uv options)."""
+    import yaml
+
+    from hpcrl.trainers.maxtext import tpu_requirements
+
+    spec = yaml.safe_load((ROOT / "hpcrl" / "recipes" / f"{recipe}.yaml").read_text(encoding="utf-8"))
+    return tpu_requirements({"spec": {"requirements": spec.get("requirements") or []}})
 
 
 def gpu_case(recipe: str) -> tuple[dict, list[str]]:
@@ -62,16 +68,18 @@ def conflicting_pins(requirements: list[str]) -> list[str]:
     return [f"{name}: {' vs '.join(sorted(v))}" for name, v in pins.items() if len(v) > 1]
 
 
-def check_set(name: str, requirements: list[str], python: str, driver_cuda: str, runtime: list[str]) -> list[str]:
-    """The problems of one requirement set (empty: it installs and runs on its target); prints the report."""
+def check_set(name: str, requirements: list[str], python: str, driver_cuda: str | None, runtime: list[str],
+              platform: str = rs.PLATFORM, options: list[str] = ()) -> list[str]:
+    """The problems of one requirement set (empty: it installs and runs on its target); prints the
+    report. driver_cuda None: a TPU VM (no CUDA to check)."""
     problems = [f"conflicting pins {c}" for c in conflicting_pins(requirements)]
     if problems:
         return problems
     try:
-        res = rs.resolve(requirements, python=python, cache_dir=CACHE)
+        res = rs.resolve(requirements, python=python, cache_dir=CACHE, platform=platform, options=options)
     except rs.ResolveError as e:
         return [f"does not resolve for Linux x86_64, Python {python}: {e}"]
-    driver = int(str(driver_cuda).split(".")[0])
+    driver = int(str(driver_cuda).split(".")[0]) if driver_cuda else 99
     replaced = {rs.canonical(re.split(r"[=@\[ ]", new.split(" from ")[0])[0]) for new in res.substituted.values()
                 if " from " in new}
     majors: dict[str, int] = {}
@@ -88,13 +96,17 @@ def check_set(name: str, requirements: list[str], python: str, driver_cuda: str,
         tag = re.search(r"\+cu(\d\d)\d", req)
         if tag and int(tag.group(1)) > driver:
             problems.append(f"{req} is a CUDA {tag.group(1)} build, the site's driver supports {driver_cuda}")
+    # a dependency's +cpu pin resolved plain here: the torch backend that serves it must be rendered
+    cpu_pins = [r for r in res.substituted if re.search(r"==\S+\+cpu\b", r)]
+    if cpu_pins and "--torch-backend=cpu" not in options:
+        problems.append(f"{cpu_pins[0]} is pinned with no torch backend that serves it")
     local = [r for r in res.substituted if re.search(r"==\S+\+cu\d+$", r)]
     if local and not any(r.startswith(("--extra-index-url ", "--index-url ")) for r in requirements):
         problems.append(f"{local[0]} is pinned with no index option that serves it")
     problems += [f"the trainer imports {p} at run time, and the set does not install it"
                  for p in runtime if rs.canonical(p) not in res.packages]
     RESOLVED[name] = res
-    print(f"\n[{name}] Python {python}, Linux x86_64, driver CUDA {driver_cuda}: {len(res.packages)} packages, "
+    print(f"\n[{name}] Python {python}, Linux {platform}, driver CUDA {driver_cuda or 'none (TPU)'}: {len(res.packages)} packages, "
           f"wheels {res.wheel_bytes / 1e9:.2f} GB, CUDA majors {sorted(set(majors.values())) or 'none named'}"
           f"{f'; {excused} CUDA packages came with the default-index stand-ins, not checked' if excused else ''}"
           f"{' (cached)' if res.cached else f' ({res.seconds:.0f} s)'}")
@@ -115,10 +127,29 @@ def test_gpu_recipe_venv_resolves_for_its_site(recipe):
     assert not problems, f"{recipe} on {GPU_SITE}:\n  " + "\n  ".join(problems)
 
 
-def test_tpu_sets_hook_resolves_what_it_is_given():
-    for name, reqs, python, driver in tpu_requirement_sets():
-        problems = check_set(name, reqs, python, driver, [])
-        assert not problems, f"{name}:\n  " + "\n  ".join(problems)
+@pytest.mark.parametrize("recipe", TPU_RECIPES)
+def test_tpu_recipe_venv_resolves_as_maxtext_documents_it(recipe):
+    """The VM's venv: maxtext[tpu-post-train] with uv's CPU torch backend, lowest resolution and the
+    wheel's overrides (jax/libtpu/flax), for the TPU VM's Python and glibc. The GitHub-pinned vLLM,
+    tpu-inference and Tunix commits are installed after it by MaxText's own command (no resolve)."""
+    from hpcrl.trainers.maxtext import TPU_PYTHON, TPU_PYTHON_PLATFORM
+
+    lines, options = tpu_case(recipe)
+    problems = check_set(recipe, lines, TPU_PYTHON, None, [], platform=TPU_PYTHON_PLATFORM, options=options)
+    assert not problems, f"{recipe} on a TPU VM:\n  " + "\n  ".join(problems)
+    res = RESOLVED[recipe]
+    for pkg, version in (("jax", "0.11.0"), ("libtpu", "0.0.44"), ("flax", "0.12.8")):
+        assert res.packages[pkg].version == version, (pkg, res.packages[pkg].version)
+
+
+def test_maxtexts_set_from_the_default_index_alone_does_not_resolve():
+    """What the VM installed before (`pip install maxtext[tpu-post-train]==0.2.5`, default index):
+    the extra's torch==2.11.0+cpu exists on no index it reads."""
+    from hpcrl.trainers.maxtext import TPU_PYTHON, TPU_PYTHON_PLATFORM
+
+    lines, _ = tpu_case(TPU_RECIPES[0])
+    problems = check_set("maxtext@default-index", lines, TPU_PYTHON, None, [], platform=TPU_PYTHON_PLATFORM)
+    assert len(problems) == 1 and "torch==2.11.0+cpu" in problems[0], problems
 
 
 def test_the_checks_catch_what_they_are_for():
