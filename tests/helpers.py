@@ -224,3 +224,21 @@ def job_launcher(tmp_path: Path, module: str) -> tuple[list[str], dict]:
         shutil.copytree(pkg, lib / "hpcrl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     return [sys.executable, "-s", "-S", "-m", module], {**env, "PYTHONPATH": str(lib)}
+
+
+def stand_in_verl_inputs(tmp_path: Path, rows: int = 2048) -> tuple[Path, Path, Path]:
+    """A model directory and train/test parquet files for specs whose verl is a stand-in that reads
+    none of them: submit checks that the model directory holds config.json and that the data has
+    the prompt column and a batch's rows, in the job's interpreter, before anything is queued."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "stand-in-model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}\n")
+    files = []
+    for name in ("train", "test"):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"prompt": [f"stand-in {i}" for i in range(rows)]}), path)
+        files.append(path)
+    return model, files[0], files[1]

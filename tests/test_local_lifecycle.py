@@ -181,7 +181,8 @@ def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_conti
 
     (g,) = report.goodput_of(Run.by_id("stp"), state)
     # by the time it held (its start-up is most of it here), not by the 3 minutes it was not asked to use
-    assert abs(g["goodput"] - g["train_s"] / g["used_s"]) < 0.01, g
+    # (train_s and used_s are shown to 0.1 s: the tolerance is that rounding's, far below what 3 minutes would give)
+    assert abs(g["goodput"] - g["train_s"] / g["used_s"]) <= 0.051 / g["used_s"] + 0.0005, g
     again = hpcrl("stop", "stp", check=False)
     assert again.returncode == 2 and "run 'stp' is already STOPPED; nothing to stop" in again.stderr
     hpcrl("resume", "stp")

@@ -9,7 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import NOT_QUICK, QUICK, TESTS_DIR, TIERS, is_quick
+def _top_conftest():
+    """tests/conftest.py by its path: `from conftest import` finds whichever conftest pytest
+    imported last (tests/rl/ has its own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hpcrl_tests_top_conftest", Path(__file__).with_name("conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_top = _top_conftest()
+NOT_QUICK, QUICK, TESTS_DIR, TIERS, is_quick = _top.NOT_QUICK, _top.QUICK, _top.TESTS_DIR, _top.TIERS, _top.is_quick
 
 ROOT = TESTS_DIR.parent
 

@@ -207,11 +207,14 @@ def test_shared_qos_job_holds_its_share_of_the_node(pm_site, pm_cluster):
     state = wait_for_run(name, timeout=240)
     assert state["state"] == "COMPLETED", state
     job_id = started(state)[0]["job_id"]
-    jobs = wait_until(lambda: _sacct("-j", job_id), 60, f"sacct to know job {job_id}", poll=1)
+    # by name too: the accounting database outlives a restarted test cluster, whose job ids start again
+    jobs = wait_until(lambda: [j for j in _sacct("-j", job_id) if j["JobName"] == name], 60,
+                      f"sacct to know job {job_id}", poll=1)
     assert jobs[0]["QOS"] == "shared", jobs
     tres = jobs[0]["AllocTRES"]
     assert "cpu=32," in tres and "gres/gpu=1" in tres, tres
     # this cluster does not count memory as a consumable (no mem in AllocTRES): the request is the record
-    mem = subprocess.run(["sacct", "-X", "-P", "-n", "-j", job_id, "-o", "ReqMem"], capture_output=True, text=True,
-                         check=True).stdout.split()
+    rows = subprocess.run(["sacct", "-X", "-P", "-n", "-j", job_id, "-o", "JobName,ReqMem"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    mem = [row.split("|")[1] for row in rows if row.split("|")[0] == name]
     assert mem and mem[0] in ("64G", "64Gn", "65536M", "65536Mn"), mem

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import hpcrl, run_dir, run_state, started, wait_for_run, wait_until
+from helpers import hpcrl, run_dir, run_state, stand_in_verl_inputs, started, wait_for_run, wait_until
 from hpcrl.runs import Run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(480), pytest.mark.uses_ray("slurm-nodes")]
@@ -136,15 +136,16 @@ def test_ray_on_two_nodes_worker_node_killed_segment_fails_and_successor_resumes
     for node in (head, worker):
         if _ray_procs(pm_cluster.netns(node)):
             pytest.skip(f"Ray processes already running on {node}: {_ray_procs(pm_cluster.netns(node))}")
+    model, train, test = stand_in_verl_inputs(tmp_path)
     spec = tmp_path / "verl-ray2.yaml"
-    spec.write_text(textwrap.dedent("""\
+    spec.write_text(textwrap.dedent(f"""\
         name: verl-ray2
         trainer: verl
         args:
           algorithm: grpo
-          model: /models/stand-in
-          train_files: /data/train.parquet
-          val_files: /data/test.parquet
+          model: {model}
+          train_files: {train}
+          val_files: {test}
           reward: verl
           save_time_s: 5
           ray_port: 6390
@@ -201,3 +202,4 @@ def test_ray_on_two_nodes_worker_node_killed_segment_fails_and_successor_resumes
 def pm_cluster_addr(node: str) -> str:
     out = subprocess.run(["scontrol", "show", "node", node], capture_output=True, text=True, check=True).stdout
     return out.split("NodeAddr=")[1].split()[0]
+

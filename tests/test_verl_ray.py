@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import hpcrl, wait_for_run
+from helpers import hpcrl, stand_in_verl_inputs, wait_for_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.uses_ray("slurm-nodes")]
 pytest.importorskip("ray", reason="real Ray (scripts/setup installs it) is needed to run the bootstrap")
@@ -106,15 +106,16 @@ def ray_site(home, slurm_cluster, tmp_path):
 def test_ray_bootstrap_starts_a_real_cluster_the_driver_joins_and_stops_it(ray_site, tmp_path):
     if _ray_daemons():
         pytest.skip(f"Ray daemons already running on this machine: {_ray_daemons()}")
+    model, train, test = stand_in_verl_inputs(tmp_path)
     spec = tmp_path / "verl-ray.yaml"
     spec.write_text(textwrap.dedent(f"""\
         name: verl-ray
         trainer: verl
         args:
           algorithm: grpo
-          model: /models/stand-in
-          train_files: /data/train.parquet
-          val_files: /data/test.parquet
+          model: {model}
+          train_files: {train}
+          val_files: {test}
           reward: verl
           ray_cluster: always
           ray_port: {_free_port()}
