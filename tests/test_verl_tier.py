@@ -86,7 +86,7 @@ def tiny(tmp_path_factory):
     return out
 
 
-def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_segments=4, overrides=()):
+def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_segments=4, overrides=(), check=True):
     spec = tmp_path / f"{name}.yaml"
     hpcrl("init", "--recipe", recipe, "--out", spec)
     sets = {"site.trainer_python": verl_python, "args.model": tiny / "model",
@@ -100,7 +100,7 @@ def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_seg
             "--max-segments", max_segments]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
-    hpcrl(*argv, env=job_env())
+    return hpcrl(*argv, env=job_env(), check=check)
 
 
 def job_env() -> dict:
@@ -191,21 +191,19 @@ def test_ppo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, 
     no_ray_left()
 
 
-def test_more_steps_than_the_data_holds_is_not_completed(home, verl_python, tiny, tmp_path):
-    # verl's loop runs out of epochs at step 16 without its last-step save and exits 0: the
-    # launcher must not let that read COMPLETED (issue 12's 40 lost steps)
-    submit("vgap", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.1,
-           args={"total_epochs": 1, "total_training_steps": 20, "save_freq": 5}, max_segments=1)
-    state = wait_for_run("vgap", timeout=900, poll=2)
-    from hpcrl.runs import Run
-
-    run = Run.by_id("vgap")
-    assert state["state"] != "COMPLETED", state
-    assert max(trained_steps(segment_metrics(run.dir, 1))) == STEPS_PER_EPOCH
-    # status says why, in the launcher's words (the log's last lines are verl's)
-    assert state["segments"][0]["error"].startswith(f"verl ended at step {STEPS_PER_EPOCH} but its newest checkpoint")
-    assert f"error: segment 1 failed (exit code 1): verl ended at step {STEPS_PER_EPOCH}" in hpcrl("status", "vgap").stdout
-    assert int((run.layout.checkpoints / TRACKER).read_text()) < STEPS_PER_EPOCH
+def test_more_steps_than_the_data_holds_is_refused_at_submit(home, verl_python, tiny, tmp_path):
+    # verl's loop runs out of epochs at step 16 without its last-step save (issue 12's 40 lost
+    # steps): submit asks verl's own interpreter for the data's rows and refuses before anything
+    # is queued (#31 item 6). The launcher's unsaved-end rule, for what submit cannot see, is
+    # tests/test_job.py's test_an_unsaved_end_is_a_failure_with_its_reason_for_status.
+    r = submit("vgap", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.1,
+               args={"total_epochs": 1, "total_training_steps": 20, "save_freq": 5}, max_segments=1, check=False)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"hpcrl: error: args.total_training_steps 20: the data holds 1 epochs x {STEPS_PER_EPOCH} batches = "
+        f"{STEPS_PER_EPOCH} steps (64 rows of train_files / train_batch_size 4); verl would stop unsaved at step "
+        f"{STEPS_PER_EPOCH}: set args.total_training_steps to at most {STEPS_PER_EPOCH}, or args.total_epochs to 2"]
+    assert "vgap" not in hpcrl("status").stdout, "a refused submit leaves no run behind"
     no_ray_left()
 
 
