@@ -108,12 +108,11 @@ _PENDING: list = []  # sample groups whose processes were still dying when their
 _LOCK = threading.Lock()
 
 
-def remove(procs: list) -> None:
-    """rmdir each sample group; one whose processes are still going (the end of a pid namespace
-    is asynchronous) is killed and left for the next call or exit, never waited on here."""
+def _rmdir_or_kill(dirs: list) -> None:
+    """rmdir each group; one whose processes are still going (the end of a pid namespace is
+    asynchronous) is killed and left pending for the next call or exit, never waited on here."""
     left = []
-    for p in procs:
-        d = os.path.dirname(p)
+    for d in dirs:
         try:
             os.rmdir(d)
         except FileNotFoundError:
@@ -123,6 +122,11 @@ def remove(procs: list) -> None:
             left.append(d)
     with _LOCK:
         _PENDING.extend(left)
+
+
+def remove(procs: list) -> None:
+    """Remove each sample's group (procs: their cgroup.procs paths)."""
+    _rmdir_or_kill([os.path.dirname(p) for p in procs])
 
 
 def _orphans() -> list:
@@ -147,17 +151,9 @@ def sweep(wait: float = 0.0) -> None:
     while True:
         with _LOCK:
             todo, _PENDING[:] = list(_PENDING), []
-        left = []
-        for d in todo:
-            try:
-                os.rmdir(d)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                _kill_in(d)
-                left.append(d)
+        _rmdir_or_kill(todo)
         with _LOCK:
-            _PENDING.extend(left)
+            left = bool(_PENDING)
         if not left or time.monotonic() >= deadline:
             return
         time.sleep(0.01)
