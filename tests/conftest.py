@@ -37,21 +37,21 @@ def _slurm_locks(request):
         yield
 
 
-# The tiers: real trainers (MaxText, verl on Ray, SmolLM2 in bf16) and the demo beside its CPU hog.
-# Each holds the 2-core machine for minutes with several busy processes; the lifecycle tests'
-# segments last seconds, and beside the tiers their start-up ate whole segments (one CI run: 7
-# failures, all "no checkpoint progress" or waits run out). scripts/test therefore runs the suite
-# in two phases, HPCRL_TEST_PHASE=light (everything else) then =tiers (these files); pytest run
-# by hand without it runs everything. Within a phase, files that run longest go to the xdist
-# workers first (scripts/test turns off xdist's own order, which sorts files by their number of
-# tests and so started the verl tier, 3 tests and ~8 minutes, last). The Slurm verl run holds
-# the Slurm nodes' Ray lock: the two short Ray tests that share it run in the light phase.
+# The tiers: real trainers (MaxText, verl on Ray, SmolLM2 in bf16, vLLM) and the demo beside its CPU
+# hog. scripts/test runs the suite as two pytest sessions, HPCRL_TEST_PHASE=light (everything
+# else) and =tiers (these files), side by side: the tiers are paced mostly by their walltime
+# segments and the rollout doubles' delays (MaxText's trainer sat at ~20% of a core), so one after
+# the other (~13 + ~20 minutes) left the machine half idle. A lifecycle test must therefore hold
+# beside a busy neighbour, as it must beside any user's. pytest run by hand without the variable
+# runs everything in one session. Within a phase, files that run longest go to the xdist workers
+# first (scripts/test turns off xdist's own order, which sorts files by their number of tests and
+# so started the verl tier, 3 tests and ~8 minutes, last). The Slurm verl run holds the Slurm
+# nodes' Ray lock: the two short Ray tests that share it wait for it (tests/slurm_fixture.py).
 #
 # The tiers' order is for xdist's loadfile scheduler, which hands a worker its next file as soon as
 # the worker has two tests or fewer left (not when it is free): within a file the slow tests go
 # first (else SmolLM2's three quick checks made its worker take two more files at once, and it
-# ran ~1900 s); then the verl tier's worker takes the demo after its first test (~460 s), and
-# MaxText's worker the Slurm verl run (~480 s): ~1200 s for the phase, the SmolLM2 run alone ~1150.
+# ran ~1900 s).
 TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_demo.py", "test_verl_tier_slurm.py",
          "test_vllm_tier.py")
 PHASES = ("light", "tiers")
