@@ -35,7 +35,7 @@ from .spec import world_size
 from .stack import describe_size, gpu_check, nccl_setup, size_of
 from .trainers import get_trainer
 from .trainers.base import TrainerContext, torchrun_argv
-from .venv import build_command, requirements  # requirements: also launch.requirements for export
+from .venv import build_command, requirements
 
 clock = time.time
 
@@ -422,7 +422,7 @@ def segment_next_here(run_dir: str, job_id: str) -> tuple[str, int] | None:
 
 def _trained(run: Run, state: dict, job_id: str) -> bool | None:
     """Whether the segment logged a training step (its metrics records carry its number)."""
-    from .results import read_records, segment_timings
+    from .status.metrics import read_records, segment_timings
 
     seg = lifecycle.segment_by_job(state, job_id)
     if seg is None or not seg.get("k"):

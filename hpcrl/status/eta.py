@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .lifecycle import SegState, is_active, seg_state
-from .results import SegmentTiming
+from ..lifecycle import SegState, is_active, seg_state
+from .metrics import SegmentTiming
 
 
 @dataclass(frozen=True)
