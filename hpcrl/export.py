@@ -30,7 +30,7 @@ from .errors import HpcrlError
 from .protocol import append_metrics
 from .runs import Run
 from .shell import command_line
-from .venv import requirements
+from .venv import path_for as venv_path_for
 
 EXPORT_RECORD = "hpcrl-export.json"
 # what only a resume needs: not part of a model directory
@@ -182,9 +182,7 @@ def export_builtin(run: Run, step: int | None, out: Path, dtype: str | None = No
 
 def run_python(resolved: dict) -> str:
     """The interpreter the run's trainer runs with: its venv's, else the site's python."""
-    from .render import venv_path
-
-    venv = venv_path(resolved["site"], requirements(resolved))
+    venv = venv_path_for(resolved)
     return f"{venv}/bin/python" if venv else (resolved["site"].get("python") or "python3")
 
 

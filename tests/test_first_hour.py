@@ -331,7 +331,7 @@ def test_metrics_are_read_incrementally_and_anew_when_the_file_is_replaced(tmp_p
     assert [r["step"] for r in run_metrics.read_records(path)] == [1, 2]
     parsed = []
     real = run_metrics._parse
-    monkeypatch.setattr(results, "_parse", lambda data: parsed.append(data) or real(data))
+    monkeypatch.setattr(run_metrics, "_parse", lambda data: parsed.append(data) or real(data))
     with open(path, "a") as f:
         f.write('}\n{"step": 4}\n')
     assert [r["step"] for r in run_metrics.read_records(path)] == [1, 2, 3, 4]

@@ -73,8 +73,8 @@ class FakeScheduler(Backend):
 def chain(home, monkeypatch):
     """(make_run, clock, scheduler): runs of the smoke trainer whose backend is the double."""
     clock, sched = Clock(), FakeScheduler({})
-    monkeypatch.setattr(launch, "clock", clock)
-    monkeypatch.setattr(launch, "for_site", lambda site: sched)
+    monkeypatch.setattr(control, "clock", clock)
+    monkeypatch.setattr(control, "for_site", lambda site: sched)
 
     def make_run(name="r", *sets, hours=1.0):
         resolved = resolve(None, "local", ["args.steps=100", *sets], {"trainer": "smoke", "hours": hours})
@@ -461,7 +461,7 @@ def test_scheduler_away_at_begin_the_job_keeps_trying_and_the_chain_goes_on(chai
         if len(waits) == 3:
             sched.away = False
 
-    monkeypatch.setattr(launch, "sleep", fake_sleep)
+    monkeypatch.setattr(control, "sleep", fake_sleep)
     assert control.keep_successor(str(run.dir), job, until=clock.now + 3600)
     assert waits == [2.0, 4.0, 8.0], "exponential back-off"
     state = run.state()
@@ -483,7 +483,7 @@ def test_a_job_whose_successor_stays_unqueued_is_not_judged_lost_until_its_end(c
     control.segment_begin(str(run.dir), job, environ={})
     sched.jobs[job]["state"] = JobState.UNKNOWN  # squeue does not list it (yet): not a lost chain
     assert control.refresh_many([run])["gone"]["state"] == RunState.RUNNING
-    monkeypatch.setattr(launch, "sleep", clock.advance)
+    monkeypatch.setattr(control, "sleep", clock.advance)
     assert not control.keep_successor(str(run.dir), job, until=clock.now + 100)
     state = run.state()
     assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == Stop.QUEUE_FAILED

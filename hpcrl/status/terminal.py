@@ -1,5 +1,5 @@
 """What a terminal shows: `status` tables, `status RUN`, `sites`, `init --list` and the `logs -f`
-progress line, drawn with rich. Imported only when stdout is a terminal (piped output is report's
+progress line, drawn with rich. Imported only when stdout is a terminal (piped output is text.py's
 plain text, and rich is never loaded for it: `status | grep` starts as fast as before).
 
 Tables fit the terminal's width: no cell wraps; at 80 columns the least needed columns go (SITE,

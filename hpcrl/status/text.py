@@ -1,5 +1,5 @@
 """What `status` and `logs` show. Reads run directories; never imports the ML stack or YAML,
-and never waits on the network (reconciling is launch's, done before rows are drawn)."""
+and never waits on the network (reconciling is control's, done before rows are drawn)."""
 
 from __future__ import annotations
 

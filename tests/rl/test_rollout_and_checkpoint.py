@@ -166,7 +166,7 @@ def test_save_now_reuses_snapshot_buffers_and_saves_what_the_model_held(tiny, tm
 def test_save_waits_for_the_pending_one_and_keeps_last_k(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     opt, snap = _snapshot(model, 1)
-    monkeypatch.setattr(checkpoint, "write_snapshot", delayed(checkpointer.write_snapshot, 0.3))
+    monkeypatch.setattr(checkpointer, "write_snapshot", delayed(checkpointer.write_snapshot, 0.3))
     saver = checkpointer.Checkpointer(tmp_path, keep_last=2, async_save=True)
     for step in (1, 2, 3):
         saver.save(step, snap)
