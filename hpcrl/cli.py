@@ -74,28 +74,28 @@ def _resolve(ns):
 
 
 def cmd_render(ns) -> int:
-    from . import launch
+    from . import control
 
-    sys.stdout.write(launch.render(_resolve(ns), ns.name))
+    sys.stdout.write(control.render(_resolve(ns), ns.name))
     return 0
 
 
 def cmd_submit(ns) -> int:
-    from . import launch
+    from . import control
 
-    run = launch.submit(_resolve(ns), ns.name)
+    run = control.submit(_resolve(ns), ns.name)
     state = run.state()
     job = state["segments"][-1]["job_id"] if state["segments"] else "-"
     print(f"submitted run {run.id} (job {job}) on site {state['site']}")
     print(f"  run dir: {run.dir}")
     print(f"  watch:   hpcrl status {run.id}   |   hpcrl logs {run.id} -f")
-    for line in launch.submit_hint(run):
+    for line in control.submit_hint(run):
         print(line)
     return 0
 
 
 def cmd_venv(ns) -> int:
-    from . import launch, venv
+    from . import control, venv
     from .runs import Run
 
     if ns.run:
@@ -112,7 +112,7 @@ def cmd_venv(ns) -> int:
     if not venv.built_here(resolved):
         print(f"no venv to build here: site '{resolved['site']['name']}' builds it on its own machines, in the job")
         return 0
-    built = launch.build_venv(resolved)
+    built = control.build_venv(resolved)
     print(f"venv {plan.path} {'built' if built else 'already ready'} ({len(plan.requirements)} requirements"
           f"{'; ' + plan.size if plan.size else ''})")
     return 0
@@ -121,51 +121,52 @@ def cmd_venv(ns) -> int:
 def cmd_status(ns) -> int:
     import json
 
-    from . import report, runs
+    from . import runs
+    from .status import text
 
     problems: dict = {}
 
     def refresh_many(active):
-        from . import launch  # only for active runs: it loads the scheduler backends
+        from . import control  # only for active runs: it loads the scheduler backends
 
-        return launch.refresh_many(active, problems)
+        return control.refresh_many(active, problems)
 
     def note(run, state):
-        from . import lifecycle  # loaded by report already
+        from . import lifecycle  # loaded by status.text already
 
         if run.id in problems:
             return problems[run.id]
         if not lifecycle.is_active(state):
             return None  # only an active run has a backend's word (finished rows stay cheap)
-        from . import launch
+        from . import control
 
         try:
-            return launch.backend_for(run).status_note(run, state)
+            return control.backend_for(run).status_note(run, state)
         except (OSError, ValueError):
             return None
 
     run = runs.Run.by_id(ns.run) if ns.run is not None else None
-    rows = report.status_rows([run.id] if run else runs.registered_ids(), refresh_many, note)
+    rows = text.status_rows([run.id] if run else runs.registered_ids(), refresh_many, note)
     if run is not None and rows:  # not in the cached row: an export may follow the run's end
-        rows[0][2].update(goodput=report.goodput_of(run, run.state()), export=report.newest_export(run))
+        rows[0][2].update(goodput=text.goodput_of(run, run.state()), export=text.newest_export(run))
     if ns.json:
         # one run per line: json's C encoder (indent= falls back to the Python one, 5x slower)
         print("[" + ",\n ".join(json.dumps(r[2]) for r in rows) + "]")
     elif run is not None:
         if _terminal():
-            from . import draw
+            from .status import terminal
 
-            draw.detail(run, run.state(), rows[0][2])
+            terminal.detail(run, run.state(), rows[0][2])
         else:
-            print(report.detail(run, run.state(), rows[0][2]))
+            print(text.detail(run, run.state(), rows[0][2]))
     elif not rows:
         print("no runs yet: `hpcrl submit --trainer smoke --hours 0.01` tries the whole chain locally")
     elif _terminal():
-        from . import draw
+        from .status import terminal
 
-        draw.status_table([r[2] for r in rows])
+        terminal.status_table([r[2] for r in rows])
     else:
-        print(report.format_table([report.table_row(r[2]) for r in rows]))
+        print(text.format_table([text.table_row(r[2]) for r in rows]))
         for r in rows:
             if r[2].get("note"):
                 print(f"{r[2]['id']}: {r[2]['note']}")
@@ -178,25 +179,26 @@ def _terminal() -> bool:
 
 
 def cmd_logs(ns) -> int:
-    from . import report, runs
+    from . import runs
+    from .status import text
 
-    from . import launch
+    from . import control
 
     if not 0 < ns.interval <= 86400:
         raise HpcrlError(f"--interval {ns.interval}: must be a number of seconds between 0 and 86400 (a day)")
     run = runs.Run.by_id(ns.run)
-    launch.follow(run, interval_s=ns.interval, keep_going=ns.follow)  # e.g. TPU: logs copied from the bucket
+    control.follow(run, interval_s=ns.interval, keep_going=ns.follow)  # e.g. TPU: logs copied from the bucket
     if ns.segment is None and not ns.follow:  # the whole run, as the help says
-        report.print_all(run, sys.stdout)
+        text.print_all(run, sys.stdout)
         return 0
-    index = report.pick_segment(run.state(), ns.segment)
+    index = text.pick_segment(run.state(), ns.segment)
     try:
         if ns.follow and _terminal():
-            from . import draw
+            from .status import terminal
 
-            draw.follow_with_progress(run, index)
+            terminal.follow_with_progress(run, index)
         else:
-            report.follow(run, index, sys.stdout, follow_on=ns.follow)
+            text.follow(run, index, sys.stdout, follow_on=ns.follow)
     except KeyboardInterrupt:
         pass
     return 0
@@ -205,9 +207,10 @@ def cmd_logs(ns) -> int:
 def _watch_line(run, state) -> str:
     import time
 
-    from . import launch, report
+    from . import control
+    from .status import text
 
-    row = report.summary(run, state, launch.backend_for(run).status_note(run, state))
+    row = text.summary(run, state, control.backend_for(run).status_note(run, state))
     ckpt = "-" if row["checkpoint_step"] is None else str(row["checkpoint_step"])
     line = (f"{time.strftime('%H:%M:%S')} {row['state']} segment {row['segments']}/{row['segments_planned']} "
             f"job {row['job_id'] or '-'} step {row['step'] if row['step'] is not None else '-'} checkpoint {ckpt}")
@@ -220,16 +223,16 @@ def cmd_watch(ns) -> int:
     status: 0 when the run COMPLETED (or after --once), 1 when it ended any other way."""
     import time
 
-    from . import launch, lifecycle, runs
+    from . import control, lifecycle, runs
 
     if not 0 < ns.interval <= 86400:
         raise HpcrlError(f"--interval {ns.interval}: must be a number of seconds between 0 and 86400 (a day)")
     run = runs.Run.by_id(ns.run)
-    backend, last = launch.backend_for(run), None
+    backend, last = control.backend_for(run), None
     try:
         while True:
             try:
-                state = launch.reconcile(run, ns.interval)
+                state = control.reconcile(run, ns.interval)
             except HpcrlError as e:
                 if ns.once:
                     raise
@@ -249,26 +252,26 @@ def cmd_watch(ns) -> int:
 
 
 def cmd_resume(ns) -> int:
-    from . import launch
+    from . import control
 
-    run = launch.resume(ns.run, hours=ns.hours, total_hours=ns.total_hours, max_segments=ns.max_segments,
+    run = control.resume(ns.run, hours=ns.hours, total_hours=ns.total_hours, max_segments=ns.max_segments,
                         nodes=ns.nodes, sets=ns.sets)
     print(f"resumed run {run.id} (job {run.state()['segments'][-1]['job_id']})")
     return 0
 
 
 def cmd_cancel(ns) -> int:
-    from . import launch
+    from . import control
 
-    run = launch.cancel(ns.run)
+    run = control.cancel(ns.run)
     print(f"cancelled run {run.id}")
     return 0
 
 
 def cmd_stop(ns) -> int:
-    from . import launch
+    from . import control
 
-    run = launch.stop(ns.run)
+    run = control.stop(ns.run)
     state = run.state()
     if state["state"] == "STOPPED":
         print(f"stopped run {run.id}: {state['reason']}")
@@ -293,9 +296,9 @@ def cmd_sites(ns) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     if _terminal():
-        from . import draw
+        from .status import terminal
 
-        draw.plain_table(["SITE", "SCHEDULER", "QOS (max hours)", "DESCRIPTION"],
+        terminal.plain_table(["SITE", "SCHEDULER", "QOS (max hours)", "DESCRIPTION"],
                          [[r["name"], r["scheduler"], ", ".join(f"{q} {h:g}h" for q, h in r["qos"].items()
                                                                 if h is not None) or "-", r["description"]]
                           for r in rows], fold=("QOS (max hours)", "DESCRIPTION"))
@@ -333,9 +336,9 @@ def cmd_init(ns) -> int:
 
     if ns.list:
         if _terminal():
-            from . import draw
+            from .status import terminal
 
-            draw.plain_table(["RECIPE", "WHAT IT TRAINS"], [list(x) for x in recipes.available().items()],
+            terminal.plain_table(["RECIPE", "WHAT IT TRAINS"], [list(x) for x in recipes.available().items()],
                              fold=("WHAT IT TRAINS",))
             return 0
         for name, title in recipes.available().items():
@@ -351,7 +354,8 @@ def cmd_init(ns) -> int:
 
 
 def cmd_plot(ns) -> int:
-    from . import plot, runs
+    from . import runs
+    from .status import plot
 
     run_list = [runs.Run.by_id(r) for r in ns.runs]
     # into the (first) run's directory: not an untracked PNG in whatever clone the user stands in
@@ -362,7 +366,8 @@ def cmd_plot(ns) -> int:
 
 
 def cmd_export(ns) -> int:
-    from . import export, runs
+    from . import runs
+    from . import export
     from .shell import command_line
 
     run = runs.Run.by_id(ns.run)
@@ -377,13 +382,14 @@ def cmd_export(ns) -> int:
 
 
 def cmd_metrics(ns) -> int:
-    from . import results, runs
+    from . import runs
+    from .status import metrics
 
     run = runs.Run.by_id(ns.run)
-    rows = results.table_rows(results.read_records(run.layout.metrics), run.state())
+    rows = metrics.table_rows(metrics.read_records(run.layout.metrics), run.state())
     if not rows:
         raise HpcrlError(f"run '{run.id}' has no metrics yet ({run.layout.metrics})")
-    results.write_table(rows, ns.format, ns.out or sys.stdout)
+    metrics.write_table(rows, ns.format, ns.out or sys.stdout)
     if ns.out:
         print(f"wrote {len(rows)} rows to {ns.out}", file=sys.stderr)
     return 0
@@ -391,26 +397,26 @@ def cmd_metrics(ns) -> int:
 
 def cmd_segment(ns) -> int:
     """Called by the segment script inside the job (not for users)."""
-    from . import launch
+    from . import control
 
     if ns.phase == "begin":
-        started = launch.segment_begin(ns.run_dir, ns.job_id)
+        started = control.segment_begin(ns.run_dir, ns.job_id)
         if started is None:
             from .protocol import EXIT_NOTHING_TO_DO
 
             return EXIT_NOTHING_TO_DO
         print(f"{started[0]} {started[1]:.3f} {int(started[2])}")
     elif ns.phase == "successor":
-        return 0 if launch.keep_successor(ns.run_dir, ns.job_id) else 1
+        return 0 if control.keep_successor(ns.run_dir, ns.job_id) else 1
     elif ns.phase == "next":  # a TPU VM runs the run's next segment itself
-        nxt = launch.segment_next_here(ns.run_dir, ns.job_id)
+        nxt = control.segment_next_here(ns.run_dir, ns.job_id)
         if nxt is None:
             from .protocol import EXIT_NOTHING_TO_DO
 
             return EXIT_NOTHING_TO_DO
         print(f"{nxt[0]} {nxt[1]}")
     else:
-        launch.segment_end(ns.run_dir, ns.job_id, ns.rc)
+        control.segment_end(ns.run_dir, ns.job_id, ns.rc)
     return 0
 
 

@@ -24,18 +24,19 @@ import shutil
 import time
 from pathlib import Path
 
-from . import ckptstore, launch
 from .atomicio import atomic_write_json
+from .checkpoints.store import MANIFEST_FILE, CheckpointStore, entry_algorithm, file_digest, new_hasher, read_manifest
 from .errors import HpcrlError
 from .protocol import append_metrics
 from .runs import Run
 from .shell import command_line
+from .venv import path_for as venv_path_for
 
 EXPORT_RECORD = "hpcrl-export.json"
 # what only a resume needs: not part of a model directory
 RESUME_ONLY = {"optimizer.safetensors", "optimizer.pt", "ref.safetensors", "rng.pt", "trainer_state.json",
-               ckptstore.MANIFEST_FILE}
-# a checkpoint written in parts by fsdp ranks (hpcrl/rl/parts.py): Hugging Face's sharded layout
+               MANIFEST_FILE}
+# a checkpoint written in parts by fsdp ranks (hpcrl/checkpoints/trainer/parts.py): Hugging Face's sharded layout
 MODEL_INDEX = "model.safetensors.index.json"
 
 
@@ -49,7 +50,7 @@ def _spec(run: Run) -> dict:
 
 def pick_checkpoint(run: Run, step: int | None) -> tuple[int, Path]:
     """The checkpoint of `step` (default: the newest that is complete) in hpcrl's store."""
-    store = ckptstore.CheckpointStore(run.layout.checkpoints)
+    store = CheckpointStore(run.layout.checkpoints)
     ckpts = dict(store.list())
     if not ckpts:
         raise HpcrlError(f"run '{run.id}' has no checkpoint yet in {run.layout.checkpoints}")
@@ -65,9 +66,9 @@ def pick_checkpoint(run: Run, step: int | None) -> tuple[int, Path]:
 
 
 def _copy_checked(src: Path, dst: Path, entry: dict) -> None:
-    algorithm = ckptstore.entry_algorithm(entry)
+    algorithm = entry_algorithm(entry)
     try:
-        h = ckptstore.new_hasher(algorithm)
+        h = new_hasher(algorithm)
     except ValueError as e:
         raise HpcrlError(f"cannot check {src}: {e}") from None
     with open(src, "rb") as fin, open(dst, "wb") as fout:
@@ -144,9 +145,9 @@ def _tensor_bytes(path: Path) -> int:
 
 def export_builtin(run: Run, step: int | None, out: Path, dtype: str | None = None) -> dict:
     step, path = pick_checkpoint(run, step)
-    manifest = ckptstore.read_manifest(path)
+    manifest = read_manifest(path)
     if manifest is None:
-        raise HpcrlError(f"checkpoint {path}: missing or unreadable {ckptstore.MANIFEST_FILE}")
+        raise HpcrlError(f"checkpoint {path}: missing or unreadable {MANIFEST_FILE}")
     files = {rel: e for rel, e in manifest["files"].items() if not _resume_only(Path(rel).name)}
     weights = MODEL_INDEX if MODEL_INDEX in files else "model.safetensors"
     missing = [f for f in (weights, "config.json") if f not in files]
@@ -161,7 +162,7 @@ def export_builtin(run: Run, step: int | None, out: Path, dtype: str | None = No
         dtype = dtype or _config_dtype(tmp / "config.json") or "float32"
         _cast_weights(tmp, dtype)
         record = {"run": run.id, "run_dir": str(run.dir), "trainer": "builtin", "step": step,
-                  "checkpoint": str(path), "manifest_sha256": ckptstore.file_digest(path / ckptstore.MANIFEST_FILE,
+                  "checkpoint": str(path), "manifest_sha256": file_digest(path / MANIFEST_FILE,
                                                                                     "sha256"),
                   "model_digest": files[weights], "dtype": dtype, "files": sorted(files), "out": str(out.resolve()),
                   "time": round(time.time(), 3)}
@@ -181,9 +182,7 @@ def export_builtin(run: Run, step: int | None, out: Path, dtype: str | None = No
 
 def run_python(resolved: dict) -> str:
     """The interpreter the run's trainer runs with: its venv's, else the site's python."""
-    from .render import venv_path
-
-    venv = venv_path(resolved["site"], launch.requirements(resolved))
+    venv = venv_path_for(resolved)
     return f"{venv}/bin/python" if venv else (resolved["site"].get("python") or "python3")
 
 

@@ -33,7 +33,7 @@ often a traceback's or the framework's, not the cause). `_segment begin` removes
 
 The checkpoint layout is not part of this contract: each trainer adapter says how the launcher
 finds its trainer's last checkpoint (trainers/base.py `checkpoint_step`). hpcrl's own trainers
-(built-in and smoke) share one store, hpcrl/ckptstore.py (step-N directories with a checksum
+(built-in and smoke) share one store, hpcrl/checkpoints/store.py (step-N directories with a checksum
 manifest, a LATEST pointer, the last K kept).
 """
 

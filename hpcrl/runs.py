@@ -60,7 +60,7 @@ class RunLayout:
         return self.root / ".lock"
 
     @property
-    def checkpoints(self) -> Path:  # the trainer's checkpoints (hpcrl.ckptstore layout for hpcrl's)
+    def checkpoints(self) -> Path:  # the trainer's checkpoints (hpcrl.checkpoints.store layout for hpcrl's)
         return self.root / "checkpoints"
 
     @property

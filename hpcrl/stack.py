@@ -56,7 +56,7 @@ def cuda_major(version) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def for_site(requirements: list[str], site: dict) -> list[str]:
+def pin_builds(requirements: list[str], site: dict) -> list[str]:
     """`requirements` with the site's CUDA variant named explicitly (unchanged without one)."""
     v = variant(site)
     if v is None:

@@ -66,10 +66,17 @@ def requirements(resolved: dict) -> list[str]:
     spec, site = resolved["spec"], resolved["site"]
     if site.get("trainer_python"):
         return []  # the user's own interpreter: nothing to install
-    from .stack import for_site
+    from .stack import pin_builds
 
     # the site's CUDA build named explicitly (index option + local-version pins): hpcrl/stack.py
-    return for_site(list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"]), site)
+    return pin_builds(list(get_trainer(spec["trainer"]).requirements(spec["args"], site)) + list(spec["requirements"]), site)
+
+
+def path_for(resolved: dict) -> str | None:
+    """The run's venv directory (None: the site has no venv_root, or nothing to install)."""
+    from .render import venv_path
+
+    return venv_path(resolved["site"], requirements(resolved))
 
 
 def plan(resolved: dict) -> Plan | None:

@@ -101,7 +101,8 @@ SAVE_SCRIPT = r'''
 import sys, time, torch, tempfile, shutil
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
-from hpcrl.rl import dist as rl_dist, fsdp, checkpoint
+from hpcrl.rl import dist as rl_dist, fsdp
+from hpcrl.checkpoints.trainer import checkpointer
 d = rl_dist.Dist.from_env({"dist_timeout_s": 300, "device": "cpu"})
 model = fsdp.load_sharded(sys.argv[1], torch.device("cpu"), d.rank, d.world)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -114,7 +115,7 @@ def old():  # before issue 19: every tensor gathered whole on every rank, then k
             t.full_tensor()
 def new():
     part, _ = fsdp.owned_part(model, opt, d.rank, d.world)
-    checkpoint.write_part(part, out, d.rank, d.world)
+    checkpointer.write_part(part, out, d.rank, d.world)
 def new_gather_only():
     fsdp.owned_part(model, opt, d.rank, d.world)
 def dcp():

@@ -55,7 +55,7 @@ def setup(work: Path) -> tuple[Path, Path, Path]:
     """(warm model dir, train parquet, test parquet) after the recipe's format warm-up."""
     out = run_builtin(work / "warmup", {**RECIPE, "sft_steps": 60, "sft_lr": 3e-3, "total_steps": 0,
                                         "eval_before": False, "eval_after": False, "save_every": 0})
-    from hpcrl.ckptstore import CheckpointStore
+    from hpcrl.checkpoints.store import CheckpointStore
 
     step, ckpt = CheckpointStore(work / "warmup" / "checkpoints").find_latest()
     print(f"warm-up: {step} supervised format steps in {out['wall_s']:.1f} s -> {ckpt}", file=sys.stderr)
@@ -218,14 +218,14 @@ def bench_checkpoint(work: Path) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpcrl.rl import checkpoint
+    from hpcrl.checkpoints.trainer import checkpointer
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=1200, hidden_size=512, intermediate_size=1536,
                                          num_hidden_layers=8, num_attention_heads=8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     opt.step()
-    saver = checkpoint.Checkpointer(work / "ckpt-bench", keep_last=1, async_save=False)
+    saver = checkpointer.Checkpointer(work / "ckpt-bench", keep_last=1, async_save=False)
     raw = work / "raw.bin"
 
     def save() -> float:

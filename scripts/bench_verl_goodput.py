@@ -99,14 +99,14 @@ def submit_builtin(work: Path, hours: float) -> str:
 
 
 def breakdown(run_id: str) -> dict:
-    from hpcrl import results
+    from hpcrl.status import metrics as run_metrics
     from hpcrl.runs import Run
 
     run = Run.by_id(run_id)
     state = run.state()
     seg = state["segments"][0]
     walltime_s = float(state["budget"].get("hours") or 0) * 3600.0  # as `status` reads it (report.run_facts)
-    recs = [r for r in results.read_records(run.layout.metrics) if results.is_train(r) and r.get("segment") == 1]
+    recs = [r for r in run_metrics.read_records(run.layout.metrics) if run_metrics.is_train(r) and r.get("segment") == 1]
     if not recs:
         return {"run": run_id, "state": state["state"], "error": "no training record in segment 1"}
     first_step_s = recs[0].get("step_time_s") or recs[0].get("step_s") or 0.0

@@ -144,7 +144,7 @@ def last_step(run_dir: Path) -> int:
 
 def publish_checkpoint(ckpt_dir: Path, step: int, files: dict | None = None, keep_last: int = 3) -> Path:
     """Seal a checkpoint of `files` (name -> bytes) at `step` in hpcrl's store; its path."""
-    from hpcrl.ckptstore import CheckpointStore
+    from hpcrl.checkpoints.store import CheckpointStore
 
     store = CheckpointStore(ckpt_dir, keep_last)
     tmp = store.new_tmp_dir()
@@ -214,7 +214,7 @@ def use_fake_gcloud(monkeypatch, root: Path) -> tuple[Path, Path]:
 
 def job_launcher(tmp_path: Path, module: str) -> tuple[list[str], dict]:
     """How the segment script runs a job-side launcher: `python -m hpcrl.job.X` with PYTHONPATH at
-    a lib/ snapshot of hpcrl (copied as launch.py copies it). -s -S: no site-packages, so the
+    a lib/ snapshot of hpcrl (copied as control.py copies it). -s -S: no site-packages, so the
     launcher has only the stdlib and the snapshot, as in a trainer venv without hpcrl."""
     import shutil
 

@@ -119,10 +119,10 @@ def test_run_ids_are_checked_like_run_names_before_the_registry(home, bad):
 
 
 def test_resume_numbers_are_bounded_like_submit(home):
-    from hpcrl import launch
+    from hpcrl import control
     from hpcrl.spec import resolve
 
-    launch.create_run(resolve(None, "local", [], {"trainer": "smoke", "hours": 1}), "rb")
+    control.create_run(resolve(None, "local", [], {"trainer": "smoke", "hours": 1}), "rb")
     for args, expected in ((["--hours", "1e308"], "--hours: must be at most 720"),
                            (["--hours", "0"], "--hours: must be at least"),
                            (["--total-hours", "0.5"], "less than one segment's --hours 1"),
@@ -133,11 +133,11 @@ def test_resume_numbers_are_bounded_like_submit(home):
 
 
 def test_a_long_default_run_id_is_a_run_id(home):
-    from hpcrl import launch
+    from hpcrl import control
     from hpcrl.spec import resolve
 
     name = "n" * 64
-    run = launch.create_run(resolve(None, "local", [f"name={name}"], {"trainer": "smoke"}))
+    run = control.create_run(resolve(None, "local", [f"name={name}"], {"trainer": "smoke"}))
     assert len(run.id) == 80 and hpcrl("status", run.id).returncode == 0
 
 

@@ -1,11 +1,11 @@
-"""hpcrl's checkpoint store (hpcrl/ckptstore.py, stdlib): seal, find, prune, verify."""
+"""hpcrl's checkpoint store (hpcrl/checkpoints/store.py, stdlib): seal, find, prune, verify."""
 
 import json
 import shutil
 import threading
 
-from hpcrl import ckptstore
-from hpcrl.ckptstore import CheckpointStore
+from hpcrl.checkpoints import store as ckpt_store
+from hpcrl.checkpoints.store import CheckpointStore
 
 from helpers import flip_bit, publish_checkpoint
 
@@ -18,15 +18,15 @@ def test_publish_writes_manifest_pointer_and_prunes(tmp_path):
     assert (tmp_path / "LATEST").read_text() == "step-00000040\n"
     assert store.latest_step() == 40
     manifest = json.loads((tmp_path / "step-00000040" / "MANIFEST.json").read_text())
-    assert manifest["files"]["weights.bin"] == {ckptstore.digest_algorithm(): ckptstore.file_digest(
+    assert manifest["files"]["weights.bin"] == {ckpt_store.digest_algorithm(): ckpt_store.file_digest(
         tmp_path / "step-00000040" / "weights.bin"), "size": 1000}
     assert manifest["step"] == 40 and isinstance(manifest["time"], float)
 
 
 def test_names_and_the_pointer_without_a_pointer_file(tmp_path):
-    assert ckptstore.checkpoint_name(7) == "step-00000007"
-    assert ckptstore.checkpoint_step_of(tmp_path / "step-00000007") == 7
-    assert ckptstore.checkpoint_step_of(".tmp-abc") is None and ckptstore.checkpoint_step_of("step-7") is None
+    assert ckpt_store.checkpoint_name(7) == "step-00000007"
+    assert ckpt_store.checkpoint_step_of(tmp_path / "step-00000007") == 7
+    assert ckpt_store.checkpoint_step_of(".tmp-abc") is None and ckpt_store.checkpoint_step_of("step-7") is None
     store = CheckpointStore(tmp_path / "none")
     assert store.list() == [] and store.latest_step() is None and store.find_latest() is None
     publish_checkpoint(tmp_path, 3)
@@ -52,7 +52,7 @@ def test_corrupt_bytes_same_size_detected_by_checksum(tmp_path):
     store = CheckpointStore(tmp_path, warn=lambda m: None)
     assert store.find_latest()[0] == 10
     assert store.find_latest(deep=False)[0] == 20  # sizes only
-    assert "fails its" in ckptstore.verify_checkpoint(newest)
+    assert "fails its" in ckpt_store.verify_checkpoint(newest)
 
 
 def test_unsealed_temp_dir_is_ignored_and_pruned(tmp_path):
@@ -97,10 +97,10 @@ def test_background_prune_deletes_only_what_it_doomed(tmp_path, monkeypatch):
 
 def test_manifest_entries_name_their_algorithm(tmp_path):
     (tmp_path / "f").write_bytes(b"abc")
-    entry = ckptstore.write_manifest(tmp_path)["files"]["f"]
-    assert ckptstore.entry_algorithm(entry) == ckptstore.digest_algorithm() in ("xxh3_128", "sha256")
-    assert ckptstore.read_manifest(tmp_path)["files"]["f"] == entry
-    sha = ckptstore.file_digest(tmp_path / "f", "sha256")
+    entry = ckpt_store.write_manifest(tmp_path)["files"]["f"]
+    assert ckpt_store.entry_algorithm(entry) == ckpt_store.digest_algorithm() in ("xxh3_128", "sha256")
+    assert ckpt_store.read_manifest(tmp_path)["files"]["f"] == entry
+    sha = ckpt_store.file_digest(tmp_path / "f", "sha256")
     assert sha == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-    (tmp_path / ckptstore.MANIFEST_FILE).write_text(json.dumps({"files": {"f": {"sha256": sha, "size": 3}}}))
-    assert ckptstore.verify_checkpoint(tmp_path) is None  # an older manifest's algorithm still checks
+    (tmp_path / ckpt_store.MANIFEST_FILE).write_text(json.dumps({"files": {"f": {"sha256": sha, "size": 3}}}))
+    assert ckpt_store.verify_checkpoint(tmp_path) is None  # an older manifest's algorithm still checks

@@ -185,8 +185,8 @@ def test_a_parser_built_for_one_command_parses_it_as_the_full_parser_does():
 
 # Modules the CLI loads only where a command needs them (kept out of start-up for speed); not timed.
 # render: yaml once its files are in the cache (hpcrl/yamlcache.py), subprocess and socket never.
-LAZY = {("--help",): ("ast", "json", "yaml", "jinja2", "shutil", "hpcrl.spec", "hpcrl.report", "hpcrl.launch"),
-        ("status",): ("ast", "yaml", "jinja2", "shutil", "hpcrl.spec", "hpcrl.launch", "hpcrl.render", "subprocess"),
+LAZY = {("--help",): ("ast", "json", "yaml", "jinja2", "shutil", "hpcrl.spec", "hpcrl.status.text", "hpcrl.control"),
+        ("status",): ("ast", "yaml", "jinja2", "shutil", "hpcrl.spec", "hpcrl.control", "hpcrl.render", "subprocess"),
         ("render", "--trainer", "smoke"): ("yaml", "subprocess", "socket", "selectors")}
 
 

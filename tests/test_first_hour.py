@@ -116,14 +116,14 @@ def test_an_importable_module_reward_is_accepted_at_submit(fast_local, tmp_path)
     hpcrl("cancel", "mod")
     # A trainer still loading torch on a busy machine ends when loaded. A job the cancel killed
     # before its end hook ran leaves its segment RUNNING until `status` asks the scheduler (as a
-    # user's next command would; launch.refresh): one CI-shaped run's job was killed 3.5 s in.
+    # user's next command would; control.refresh): one CI-shaped run's job was killed 3.5 s in.
     from helpers import wait_until
 
-    from hpcrl import launch
+    from hpcrl import control
     from hpcrl.runs import Run
 
     def closed():
-        return not any(s["state"] in ("RUNNING", "QUEUED") for s in launch.refresh(Run.by_id("mod"))["segments"])
+        return not any(s["state"] in ("RUNNING", "QUEUED") for s in control.refresh(Run.by_id("mod"))["segments"])
     wait_until(closed, 400, "the cancelled run's segments to close")
     wait_for_run("mod", timeout=60)
 
@@ -177,7 +177,7 @@ def test_every_command_takes_a_unique_prefix_and_an_ambiguous_one_lists_the_runs
 
 
 def test_each_segment_keeps_what_it_was_queued_with_pure():
-    from hpcrl import progress
+    from hpcrl.status import eta as status_eta
 
     T = 1_000_000.0
     segs = [{"k": 1, "job_id": "1", "state": "CONTINUE", "started": T, "ended": T + 36,
@@ -186,20 +186,20 @@ def test_each_segment_keeps_what_it_was_queued_with_pure():
              "asked": {"hours": 0.1, "nodes": 1, "gpus_per_node": 4}}]
     state = {"run_id": "r", "state": "RUNNING", "segments": segs,
              "budget": {"hours": 0.1, "total_hours": 1.5, "max_segments": 100}}
-    facts = progress.RunFacts(total_steps=None, walltime_s=360, stop_lead_s=4, nodes=1, gpus_per_node=4)
-    cost = progress.cost(state, facts, now=T + 100, wall_s_left=None)
+    facts = status_eta.RunFacts(total_steps=None, walltime_s=360, stop_lead_s=4, nodes=1, gpus_per_node=4)
+    cost = status_eta.cost(state, facts, now=T + 100, wall_s_left=None)
     assert cost["node_hours"] == round((36 * 2 + 60 * 1) / 3600, 4)  # segment 1 held two nodes
     assert cost["gpu_hours"] == round((36 * 8 + 60 * 4) / 3600, 4)
-    from hpcrl import report
+    from hpcrl.status import text as status_text
 
-    assert report.cost_line({"state": "RUNNING", "cost": cost}).startswith("0.0267 h wall on 1-2 nodes = 0.0367 node-h")
-    from hpcrl.results import segment_timings
+    assert status_text.cost_line({"state": "RUNNING", "cost": cost}).startswith("0.0267 h wall on 1-2 nodes = 0.0367 node-h")
+    from hpcrl.status.metrics import segment_timings
 
     timings = segment_timings([{"step": s, "segment": 1, "time": T + 6 + s} for s in range(1, 27)])
-    good = progress.goodput(state, timings, facts, now=T + 100)
+    good = status_eta.goodput(state, timings, facts, now=T + 100)
     assert good[0]["goodput"] == pytest.approx(26 / 36, abs=0.01)  # its own 36 s, not today's 360
     # SEG k/N: 1 segment ran, (1.5 h - 36 s) / 0.1 h -> 15 more, the running one among them
-    assert progress.planned_segments(state, T + 100) == 1 + 15
+    assert status_eta.planned_segments(state, T + 100) == 1 + 15
 
 
 def test_status_stays_truthful_after_resume_changes_the_walltime(fast_local):
@@ -324,25 +324,25 @@ def test_plot_of_a_long_run_is_readable(home, tmp_path):
 
 
 def test_metrics_are_read_incrementally_and_anew_when_the_file_is_replaced(tmp_path, monkeypatch):
-    from hpcrl import results
+    from hpcrl.status import metrics as run_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3')  # the last line is still being written
-    assert [r["step"] for r in results.read_records(path)] == [1, 2]
+    assert [r["step"] for r in run_metrics.read_records(path)] == [1, 2]
     parsed = []
-    real = results._parse
-    monkeypatch.setattr(results, "_parse", lambda data: parsed.append(data) or real(data))
+    real = run_metrics._parse
+    monkeypatch.setattr(run_metrics, "_parse", lambda data: parsed.append(data) or real(data))
     with open(path, "a") as f:
         f.write('}\n{"step": 4}\n')
-    assert [r["step"] for r in results.read_records(path)] == [1, 2, 3, 4]
+    assert [r["step"] for r in run_metrics.read_records(path)] == [1, 2, 3, 4]
     assert parsed == [b'{"step": 3}\n{"step": 4}\n']  # only what was appended
-    assert [r["step"] for r in results.read_records(path)] == [1, 2, 3, 4] and len(parsed) == 1
+    assert [r["step"] for r in run_metrics.read_records(path)] == [1, 2, 3, 4] and len(parsed) == 1
     replaced = tmp_path / "new.jsonl"
     replaced.write_text('{"step": 9}\n')
     replaced.replace(path)  # a rewritten file (another inode): read from its start
-    assert [r["step"] for r in results.read_records(path)] == [9]
+    assert [r["step"] for r in run_metrics.read_records(path)] == [9]
     path.unlink()
-    assert results.read_records(path) == []
+    assert run_metrics.read_records(path) == []
 
 
 # ---------------------------------------------------------------- the docs say what the code does
@@ -427,8 +427,9 @@ def test_a_lost_segments_checkpointing_flag_goes_when_the_next_segment_begins(fa
 
 
 def test_finish_estimate_right_after_a_segment_starts_and_progress_line_fits_80_columns():
-    from hpcrl import draw, progress
-    from hpcrl.results import segment_timings
+    from hpcrl.status import terminal
+    from hpcrl.status import eta as status_eta
+    from hpcrl.status.metrics import segment_timings
 
     T = 1_000_000.0
     segs = [{"k": 1, "job_id": "1", "state": "CONTINUE", "started": T, "ended": T + 36, "end_step": 26},
@@ -436,17 +437,17 @@ def test_finish_estimate_right_after_a_segment_starts_and_progress_line_fits_80_
     state = {"run_id": "r", "state": "RUNNING", "segments": segs,
              "budget": {"hours": 0.01, "total_hours": None, "max_segments": 20}}
     timings = segment_timings([{"step": s, "segment": 1, "time": T + 6 + s} for s in range(1, 27)])
-    facts = progress.RunFacts(total_steps=100, walltime_s=36, stop_lead_s=4)
-    eta = progress.eta(state, timings, facts, step=26, now=T + 38)  # segment 2 has no step yet
+    facts = status_eta.RunFacts(total_steps=100, walltime_s=36, stop_lead_s=4)
+    eta = status_eta.eta(state, timings, facts, step=26, now=T + 38)  # segment 2 has no step yet
     assert eta["finish_time"] is not None and eta["steps_per_s"] == 1.0
     row = {"id": "countdown-tiny-20261204-081503-with-a-rather-long-name", "state": "CHECKPOINTING",
            "segments": 12, "segments_planned": 150, "step": 12345, "metric_name": "eval/reward_mean",
            "metric": 0.74691, "eta": {**eta, "total_steps": 123456}}
     for width in (80, 60, 40):
-        text = draw.progress_text(row, width).plain
+        text = terminal.progress_text(row, width).plain
         assert len(text) <= width and "\u2026" not in text, text
         assert text.startswith("CHECKPOINTING") and "seg 12/150" in text
-    assert "ETA" in draw.progress_text(row, 80).plain
+    assert "ETA" in terminal.progress_text(row, 80).plain
 
 
 def test_logs_follow_ends_on_a_final_run_whose_segment_never_closed(home, tmp_path):
@@ -454,7 +455,8 @@ def test_logs_follow_ends_on_a_final_run_whose_segment_never_closed(home, tmp_pa
     CANCELLED run: `logs -f` (and the demo that follows it) must not wait on it for ever."""
     import io
 
-    from hpcrl import report, runs
+    from hpcrl import runs
+    from hpcrl.status import text as status_text
 
     rdir = tmp_path / "runs" / "stuck"
     (rdir / "logs").mkdir(parents=True)
@@ -463,15 +465,15 @@ def test_logs_follow_ends_on_a_final_run_whose_segment_never_closed(home, tmp_pa
         {"k": 1, "job_id": "7", "state": "RUNNING", "started": 1.0}], "budget": {"hours": 0.01, "max_segments": 2}}))
     runs.register("stuck", rdir)
     out = io.StringIO()
-    report.follow(runs.Run.by_id("stuck"), 0, out, follow_on=True, poll_s=0.001)
+    status_text.follow(runs.Run.by_id("stuck"), 0, out, follow_on=True, poll_s=0.001)
     assert out.getvalue().startswith("hpcrl: TERM: stop now\n") and "ended without its end hook" in out.getvalue()
 
 
 def test_projection_after_resume_uses_the_new_walltime_not_the_old_segments():
     """After `resume --hours 0.1` on a 0.01 h run the old 36 s segments say nothing about the next
     ones: the running 360 s segment and those after it are projected at 360 s."""
-    from hpcrl import progress
-    from hpcrl.results import segment_timings
+    from hpcrl.status import eta as status_eta
+    from hpcrl.status.metrics import segment_timings
 
     T, recs, segs = 1_000_000.0, [], []
     for k in range(1, 4):  # 36 s segments: 6 s start-up, 26 steps at 1 step/s
@@ -485,10 +487,10 @@ def test_projection_after_resume_uses_the_new_walltime_not_the_old_segments():
     recs += [{"step": 78 + i, "segment": 4, "time": t4 + 6 + i} for i in range(1, 3)]
     state = {"run_id": "r", "state": "RUNNING", "segments": segs,
              "budget": {"hours": 0.1, "total_hours": 1.5, "max_segments": 100}}
-    facts = progress.RunFacts(total_steps=1000, walltime_s=360, stop_lead_s=4)
-    eta = progress.eta(state, segment_timings(recs), facts, step=80, now=t4 + 8)
+    facts = status_eta.RunFacts(total_steps=1000, walltime_s=360, stop_lead_s=4)
+    eta = status_eta.eta(state, segment_timings(recs), facts, step=80, now=t4 + 8)
     # 920 steps: segment 4 trains 360 - 4 - 6 = 350 s (348 left), then 572 steps = 2 more segments
     assert eta["segments_left"] == 2, eta
     assert eta["eta_s"] == pytest.approx(348 + 6 + 360 + 6 + (572 - 350), abs=15), eta
-    good = progress.goodput(state, segment_timings(recs), facts, now=t4 + 8)
+    good = status_eta.goodput(state, segment_timings(recs), facts, now=t4 + 8)
     assert [g["goodput"] for g in good[:3]] == [pytest.approx(26 / 36, abs=0.01)] * 3

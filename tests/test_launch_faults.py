@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from hpcrl import launch, protocol
+from hpcrl import protocol
+from hpcrl import control
 from hpcrl.lifecycle import RunState, SegState
 from hpcrl.backends.local import LocalBackend
 from hpcrl.errors import BackendError
@@ -21,7 +22,7 @@ def _failing_submit(self, *a, **k):
 @pytest.fixture
 def run(home):
     resolved = resolve(None, "local", ["args.steps=5"], {"trainer": "smoke", "hours": 0.01})
-    run = launch.create_run(resolved, "faulty")
+    run = control.create_run(resolved, "faulty")
     with run.locked() as state:
         state["segments"].append({"job_id": "1", "state": SegState.QUEUED, "submitted": time.time()})
     return run
@@ -30,7 +31,7 @@ def run(home):
 def test_successor_submit_failure_does_not_stop_the_running_segment(run, monkeypatch):
     monkeypatch.setattr(LocalBackend, "submit", _failing_submit)
     end = time.time() + 100
-    k, deadline, pending = launch.segment_begin(str(run.dir), "1", environ={"HPCRL_JOB_END_TIME": str(end)})
+    k, deadline, pending = control.segment_begin(str(run.dir), "1", environ={"HPCRL_JOB_END_TIME": str(end)})
     assert pending, "the job script is told to keep trying"
     assert k == 1 and deadline == pytest.approx(end - 4)  # local site: exit_margin_s 4
     state = run.state()
@@ -38,7 +39,7 @@ def test_successor_submit_failure_does_not_stop_the_running_segment(run, monkeyp
     assert "could not queue the successor" in state["events"][-1]["what"]
     # The segment made progress, then its end hook cannot queue the next one either.
     publish_checkpoint(run.dir / "checkpoints", 3, {"state.json": b"{}"})
-    launch.segment_end(str(run.dir), "1", protocol.EXIT_CONTINUE)
+    control.segment_end(str(run.dir), "1", protocol.EXIT_CONTINUE)
     state = run.state()
     assert state["state"] == RunState.STOPPED and "hpcrl resume faulty" in state["reason"]
     assert state["segments"][0]["end_step"] == 3 and state["segments"][0]["state"] == SegState.CONTINUE
@@ -51,6 +52,6 @@ def test_unreadable_end_time_falls_back_to_the_walltime(run, monkeypatch):
     monkeypatch.setattr(LocalBackend, "end_time", broken_end)
     monkeypatch.setattr(LocalBackend, "submit", lambda self, *a, **k: "2")
     before = time.time()
-    _, deadline, pending = launch.segment_begin(str(run.dir), "1", environ={})
+    _, deadline, pending = control.segment_begin(str(run.dir), "1", environ={})
     assert not pending
     assert before + 36 - 4 - 1 <= deadline <= time.time() + 36 - 4

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl import launch, lifecycle, protocol
+from hpcrl import lifecycle, protocol
+from hpcrl import control
 from hpcrl.backends.base import Backend, JobInfo, JobState
 from hpcrl.errors import BackendError, RunError
 from hpcrl.lifecycle import RunState, SegState, Stop
@@ -72,12 +73,12 @@ class FakeScheduler(Backend):
 def chain(home, monkeypatch):
     """(make_run, clock, scheduler): runs of the smoke trainer whose backend is the double."""
     clock, sched = Clock(), FakeScheduler({})
-    monkeypatch.setattr(launch, "clock", clock)
-    monkeypatch.setattr(launch, "for_site", lambda site: sched)
+    monkeypatch.setattr(control, "clock", clock)
+    monkeypatch.setattr(control, "for_site", lambda site: sched)
 
     def make_run(name="r", *sets, hours=1.0):
         resolved = resolve(None, "local", ["args.steps=100", *sets], {"trainer": "smoke", "hours": hours})
-        return launch.submit(resolved, name)
+        return control.submit(resolved, name)
 
     return make_run, clock, sched
 
@@ -92,14 +93,14 @@ def segment(run, clock, sched, rc: int, step: int | None, seconds: float = 3600.
     """Run the newest queued job as a segment: begin, train for `seconds`, checkpoint, end."""
     job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
     sched.jobs[job]["state"] = JobState.RUNNING
-    started = launch.segment_begin(str(run.dir), job, environ={})
+    started = control.segment_begin(str(run.dir), job, environ={})
     if started is None:
         sched.jobs[job]["state"] = JobState.COMPLETED
         return job
     clock.advance(seconds)
     if step is not None:
         checkpoint(run, step)
-    launch.segment_end(str(run.dir), job, rc)
+    control.segment_end(str(run.dir), job, rc)
     sched.jobs[job]["state"] = JobState.COMPLETED
     return job
 
@@ -130,7 +131,7 @@ def test_segment_deadline_comes_from_the_walltime_when_the_scheduler_cannot_say(
     make_run, clock, sched = chain
     run = make_run(hours=2.0)
     job = run.state()["segments"][0]["job_id"]
-    k, deadline, pending = launch.segment_begin(str(run.dir), job, environ={})
+    k, deadline, pending = control.segment_begin(str(run.dir), job, environ={})
     assert not pending
     assert k == 1 and deadline == pytest.approx(clock.now + 2 * 3600 - run.spec()["site"]["exit_margin_s"])
 
@@ -145,8 +146,8 @@ def test_total_hours_budget_stops_the_chain_and_resume_needs_more(chain):
     assert state["reason"] == "budget spent (3.00 of 2.5 h)"
     assert not lifecycle.live_segments(state)
     with pytest.raises(RunError, match="--total-hours"):
-        launch.resume("b")
-    launch.resume("b", total_hours=5)
+        control.resume("b")
+    control.resume("b", total_hours=5)
     segment(run, clock, sched, COMPLETE, 40)
     assert run.state()["state"] == RunState.COMPLETED
 
@@ -155,14 +156,14 @@ def test_max_segments_stops_and_resume_names_the_flag(chain):
     make_run, clock, sched = chain
     run = make_run("m", "budget.max_segments=2")
     with pytest.raises(RunError, match="continues by itself"):
-        launch.resume("m")
+        control.resume("m")
     segment(run, clock, sched, CONTINUE, 10)
     segment(run, clock, sched, CONTINUE, 20)
     state = run.state()
     assert state["state"] == RunState.STOPPED and state["stop"] == {"kind": "max_segments", "max": 2}
     with pytest.raises(RunError, match="--max-segments"):
-        launch.resume("m")
-    launch.resume("m", max_segments=3)
+        control.resume("m")
+    control.resume("m", max_segments=3)
     assert run.state()["state"] == RunState.PENDING and run.state()["resumed_at"] == clock.now
 
 
@@ -180,25 +181,25 @@ def test_crash_loop_fails_the_run_with_the_trainers_last_error(chain):
 
 
 def test_a_trainers_own_reason_is_kept_with_its_failed_segment_and_shown(chain):
-    from hpcrl import report
+    from hpcrl.status import text as status_text
 
     make_run, clock, sched = chain
     run = make_run("e")
     job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
     (run.dir / protocol.ERROR_FILE).write_text("stale reason of an earlier attempt\n")
     sched.jobs[job]["state"] = JobState.RUNNING
-    launch.segment_begin(str(run.dir), job, environ={})
+    control.segment_begin(str(run.dir), job, environ={})
     assert not (run.dir / protocol.ERROR_FILE).exists()  # begin clears the old one
     run.layout.log(job).write_text("Traceback ...\nOSError: [Errno 28] No space left on device\n")
     protocol.report_error(run.dir, "disk full at /scratch/ckpt (the previous checkpoint is intact; free space, then resume)")
-    launch.segment_end(str(run.dir), job, 1)
+    control.segment_end(str(run.dir), job, 1)
     sched.jobs[job]["state"] = JobState.COMPLETED
     state = run.state()
     seg = state["segments"][0]
     assert seg["state"] == SegState.FAILED and seg["error"].startswith("disk full at /scratch/ckpt")
     assert not (run.dir / protocol.ERROR_FILE).exists()  # taken: it lives in state.json now
     assert any("disk full at /scratch/ckpt" in e["what"] for e in state["events"])
-    text = report.detail(run, state, report.summary(run, state))
+    text = status_text.detail(run, state, status_text.summary(run, state))
     assert "error: segment 1 failed (exit code 1): disk full at /scratch/ckpt" in text
     # the next failure without a reason of its own: the crash loop names the last one given
     segment(run, clock, sched, 1, None)
@@ -213,10 +214,10 @@ def test_a_crash_loop_names_the_trainers_own_reason(chain):
     for _ in range(2):
         job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
         sched.jobs[job]["state"] = JobState.RUNNING
-        launch.segment_begin(str(run.dir), job, environ={})
+        control.segment_begin(str(run.dir), job, environ={})
         run.layout.log(job).write_text("ray: a worker died\n")
         protocol.report_error(run.dir, "verl ended at step 16 but its newest checkpoint is step 15")
-        launch.segment_end(str(run.dir), job, 1)
+        control.segment_end(str(run.dir), job, 1)
         sched.jobs[job]["state"] = JobState.COMPLETED
     state = run.state()
     assert state["state"] == RunState.FAILED
@@ -228,14 +229,14 @@ def _failing_segment(run, clock, sched, log: str, trained_steps=(), step=None) -
     `step`, prints `log` and exits 1."""
     job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
     sched.jobs[job]["state"] = JobState.RUNNING
-    k, _, _ = launch.segment_begin(str(run.dir), job, environ={})
+    k, _, _ = control.segment_begin(str(run.dir), job, environ={})
     clock.advance(600)
     for n in trained_steps:
         protocol.append_metrics(run.layout.metrics, {"step": n, "segment": k, "time": clock.now})
     if step is not None:
         checkpoint(run, step)
     run.layout.log(job).write_text(log)
-    launch.segment_end(str(run.dir), job, 1)
+    control.segment_end(str(run.dir), job, 1)
     sched.jobs[job]["state"] = JobState.COMPLETED
     return job
 
@@ -265,7 +266,7 @@ def test_a_resumed_run_failing_at_start_as_before_stops_after_one_segment(chain)
     for _ in range(2):
         _failing_segment(run, clock, sched, "ModuleNotFoundError: No module named 'nosuchpkg'\n")
     assert run.state()["stop"]["kind"] == Stop.CRASH_LOOP  # the first two: the crash loop's words, as before
-    launch.resume("res")
+    control.resume("res")
     _failing_segment(run, clock, sched, "ModuleNotFoundError: No module named 'nosuchpkg'\n")
     state = run.state()
     assert state["state"] == RunState.FAILED and state["stop"]["kind"] == Stop.REPEATED
@@ -292,26 +293,26 @@ def test_stop_saves_then_stops_with_nothing_after_it_and_resume_continues(chain)
     run = make_run("st")
     first = run.state()["segments"][0]["job_id"]
     sched.jobs[first]["state"] = JobState.RUNNING
-    launch.segment_begin(str(run.dir), first, environ={})
+    control.segment_begin(str(run.dir), first, environ={})
     successor = lifecycle.live_segments(run.state())[-1]["job_id"]
     signalled = []
     sched.checkpoint_stop = lambda ids, run=None: signalled.extend(ids)
-    launch.stop("st")
+    control.stop("st")
     state = run.state()
     assert signalled == [first] and state["state"] == RunState.CHECKPOINTING
     assert sched.jobs[successor]["state"] == JobState.CANCELLED and not [
         s for s in state["segments"] if s["state"] == SegState.QUEUED]
     clock.advance(60)
     checkpoint(run, 17)
-    launch.segment_end(str(run.dir), first, CONTINUE)
+    control.segment_end(str(run.dir), first, CONTINUE)
     state = run.state()
     assert state["state"] == RunState.STOPPED and state["stop"] == {"kind": "user_stop", "step": 17}
     assert state["reason"] == "stopped by the user at checkpoint step 17; `hpcrl resume st` continues from it"
     assert state["segments"][0]["user_stop"] is True  # goodput measures it by the time it held, not its walltime
     assert not lifecycle.live_segments(state) and sched.submits == 2
     with pytest.raises(RunError, match="already STOPPED; nothing to stop"):
-        launch.stop("st")
-    launch.resume("st")
+        control.stop("st")
+    control.resume("st")
     assert run.state()["state"] == RunState.PENDING and not run.state()["stop_requested"]
     segment(run, clock, sched, CONTINUE, 30)
     assert run.state()["state"] == RunState.RESUBMITTED  # the chain goes on as before
@@ -320,7 +321,7 @@ def test_stop_saves_then_stops_with_nothing_after_it_and_resume_continues(chain)
 def test_stop_of_a_run_whose_segment_has_not_started_stops_it_at_once(chain):
     make_run, clock, sched = chain
     run = make_run("sq")
-    launch.stop("sq")
+    control.stop("sq")
     state = run.state()
     assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == "user_stop"
     assert [s["state"] for s in state["segments"]] == [SegState.CANCELLED]
@@ -339,7 +340,7 @@ def test_segment_that_died_without_its_end_hook_is_closed_lost_by_its_successor(
     make_run, clock, sched = chain
     run = make_run()
     first = run.state()["segments"][0]["job_id"]
-    launch.segment_begin(str(run.dir), first, environ={})
+    control.segment_begin(str(run.dir), first, environ={})
     clock.advance(600)
     checkpoint(run, 15)  # the periodic save before the node died; no end hook ran
     sched.jobs[first]["state"] = JobState.FAILED
@@ -354,12 +355,12 @@ def test_a_requeued_job_begins_again_as_the_same_segment_without_a_second_succes
     make_run, clock, sched = chain
     run = make_run()
     job = run.state()["segments"][0]["job_id"]
-    launch.segment_begin(str(run.dir), job, environ={})
+    control.segment_begin(str(run.dir), job, environ={})
     successor = [s["job_id"] for s in run.state()["segments"] if s["state"] == SegState.QUEUED]
     clock.advance(600)
     checkpoint(run, 12)  # the requeue's TERM found no end hook run (a node failure): nothing else
     clock.advance(60)
-    k, _, _ = launch.segment_begin(str(run.dir), job, environ={})  # the same job id starts again
+    k, _, _ = control.segment_begin(str(run.dir), job, environ={})  # the same job id starts again
     state = run.state()
     assert k == 1 and [s["job_id"] for s in state["segments"]] == [job, *successor], "no second successor"
     seg = state["segments"][0]
@@ -370,7 +371,7 @@ def test_a_requeued_job_begins_again_as_the_same_segment_without_a_second_succes
     # its second run ends; the one successor continues the chain
     clock.advance(1200)
     checkpoint(run, 30)
-    launch.segment_end(str(run.dir), job, CONTINUE)
+    control.segment_end(str(run.dir), job, CONTINUE)
     assert [s["state"] for s in run.state()["segments"]] == ["CONTINUE", "QUEUED"]
     assert lifecycle.used_hours(run.state()) == pytest.approx(1860 / 3600)
     segment(run, clock, sched, COMPLETE, 40)
@@ -383,16 +384,16 @@ def test_successor_submit_failures_at_begin_and_end(chain):
     run = make_run("f")
     sched.fail_submit = True
     job = run.state()["segments"][0]["job_id"]
-    assert launch.segment_begin(str(run.dir), job, environ={})[0] == 1
+    assert control.segment_begin(str(run.dir), job, environ={})[0] == 1
     assert "could not queue the successor" in run.state()["events"][-1]["what"]
     assert run.state()["state"] == RunState.RUNNING  # the segment trains on
     checkpoint(run, 3)
-    launch.segment_end(str(run.dir), job, CONTINUE)
+    control.segment_end(str(run.dir), job, CONTINUE)
     state = run.state()
     assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == Stop.QUEUE_FAILED
     assert "hpcrl resume f" in state["reason"] and state["segments"][0]["state"] == SegState.CONTINUE
     sched.fail_submit = False
-    launch.resume("f")
+    control.resume("f")
     assert run.state()["state"] == RunState.PENDING
 
 
@@ -400,18 +401,18 @@ def test_cancel_then_resume_and_a_late_successor_does_nothing(chain):
     make_run, clock, sched = chain
     run = make_run("x")
     job = run.state()["segments"][0]["job_id"]
-    launch.segment_begin(str(run.dir), job, environ={})
+    control.segment_begin(str(run.dir), job, environ={})
     successor = run.state()["segments"][1]["job_id"]
-    launch.cancel("x")
+    control.cancel("x")
     assert {sched.jobs[j]["state"] for j in (job, successor)} == {JobState.CANCELLED}
     checkpoint(run, 7)  # the SIGTERM made the trainer save
-    launch.segment_end(str(run.dir), job, CONTINUE)
+    control.segment_end(str(run.dir), job, CONTINUE)
     state = run.state()
     assert state["state"] == RunState.CANCELLED and state["segments"][0]["end_step"] == 7
     with pytest.raises(RunError, match="already CANCELLED"):
-        launch.cancel("x")
-    assert launch.segment_begin(str(run.dir), successor, environ={}) is None  # nothing to do
-    launch.resume("x")
+        control.cancel("x")
+    assert control.segment_begin(str(run.dir), successor, environ={}) is None  # nothing to do
+    control.resume("x")
     segment(run, clock, sched, COMPLETE, 20)
     state = run.state()
     assert state["state"] == RunState.COMPLETED
@@ -422,7 +423,7 @@ def test_resume_hours_change_the_one_budget_record_and_the_next_submission(chain
     make_run, clock, sched = chain
     run = make_run("h", "budget.max_segments=1", hours=1.0)
     segment(run, clock, sched, CONTINUE, 10)
-    launch.resume("h", hours=0.5, max_segments=2)
+    control.resume("h", hours=0.5, max_segments=2)
     newest = run.state()["segments"][-1]["job_id"]
     assert sched.jobs[newest]["hours"] == 0.5, "the backend was given the new hours"
     assert run.state()["budget"]["hours"] == 0.5 and run.spec()["spec"]["budget"]["hours"] == 0.5
@@ -434,7 +435,7 @@ def test_status_reconciles_a_chain_whose_jobs_vanished_with_one_poll(chain):
     runs_ = [make_run(f"v{i}") for i in range(5)]
     for r in runs_[:3]:
         sched.jobs[r.state()["segments"][0]["job_id"]]["state"] = JobState.UNKNOWN  # purged by the scheduler
-    states = launch.refresh_many(runs_)
+    states = control.refresh_many(runs_)
     assert sched.polls == 1
     assert [states[r.id]["state"] for r in runs_] == ["STOPPED"] * 3 + ["PENDING"] * 2
     assert states["v0"]["stop"]["kind"] == Stop.NO_JOBS and "hpcrl resume v0" in states["v0"]["reason"]
@@ -446,11 +447,11 @@ def test_scheduler_away_at_begin_the_job_keeps_trying_and_the_chain_goes_on(chai
     job = run.state()["segments"][0]["job_id"]
     sched.jobs[job]["state"] = JobState.RUNNING
     sched.away = True
-    k, deadline, pending = launch.segment_begin(str(run.dir), job, environ={})
+    k, deadline, pending = control.segment_begin(str(run.dir), job, environ={})
     assert pending and run.state()["state"] == RunState.RUNNING and run.state()["successor_pending"]
     # status meanwhile: the scheduler cannot be asked; the run is shown as it was, with the reason
     problems = {}
-    assert launch.refresh_many([run], problems)["away"]["state"] == RunState.RUNNING
+    assert control.refresh_many([run], problems)["away"]["state"] == RunState.RUNNING
     assert "scheduler unreachable" in problems["away"]
     waits = []
 
@@ -460,15 +461,15 @@ def test_scheduler_away_at_begin_the_job_keeps_trying_and_the_chain_goes_on(chai
         if len(waits) == 3:
             sched.away = False
 
-    monkeypatch.setattr(launch, "sleep", fake_sleep)
-    assert launch.keep_successor(str(run.dir), job, until=clock.now + 3600)
+    monkeypatch.setattr(control, "sleep", fake_sleep)
+    assert control.keep_successor(str(run.dir), job, until=clock.now + 3600)
     assert waits == [2.0, 4.0, 8.0], "exponential back-off"
     state = run.state()
     assert [s["state"] for s in state["segments"]] == ["RUNNING", "QUEUED"] and not state["successor_pending"]
     assert any("after the scheduler came back" in e["what"] for e in state["events"])
     checkpoint(run, 10)
     before = sched.submits
-    launch.segment_end(str(run.dir), job, CONTINUE, environ={})
+    control.segment_end(str(run.dir), job, CONTINUE, environ={})
     assert sched.submits == before, "the end hook found the successor queued: no second one"
     segment(run, clock, sched, COMPLETE, 20)
     assert run.state()["state"] == RunState.COMPLETED
@@ -479,11 +480,11 @@ def test_a_job_whose_successor_stays_unqueued_is_not_judged_lost_until_its_end(c
     run = make_run("gone", hours=1.0)
     job = run.state()["segments"][0]["job_id"]
     sched.fail_submit = True
-    launch.segment_begin(str(run.dir), job, environ={})
+    control.segment_begin(str(run.dir), job, environ={})
     sched.jobs[job]["state"] = JobState.UNKNOWN  # squeue does not list it (yet): not a lost chain
-    assert launch.refresh_many([run])["gone"]["state"] == RunState.RUNNING
-    monkeypatch.setattr(launch, "sleep", clock.advance)
-    assert not launch.keep_successor(str(run.dir), job, until=clock.now + 100)
+    assert control.refresh_many([run])["gone"]["state"] == RunState.RUNNING
+    monkeypatch.setattr(control, "sleep", clock.advance)
+    assert not control.keep_successor(str(run.dir), job, until=clock.now + 100)
     state = run.state()
     assert state["state"] == RunState.STOPPED and state["stop"]["kind"] == Stop.QUEUE_FAILED
     assert "hpcrl resume gone" in state["reason"] and clock.now <= run.state()["created"] + 100 + 60

@@ -64,7 +64,7 @@ def test_kill9_figures_never_overstate_lost_work_replay_and_one_row_per_step(fas
     """#29 item 3: segment 1 trains past its last save and is killed -9. Its lost steps count 0
     in goodput (it saved nothing: 0%), the successor's re-training reads "replaying N -> M" in
     status, and `hpcrl metrics` holds one row per step (the replayed records superseded)."""
-    from hpcrl import report
+    from hpcrl.status import text as status_text
     from hpcrl.runs import Run
 
     _submit(fast_local, "k9", "--hours", "0.01", "--set", "args.steps=30", "--set", "args.step_time_s=0.2",
@@ -91,12 +91,12 @@ def test_kill9_figures_never_overstate_lost_work_replay_and_one_row_per_step(fas
     records = [m for m in read_metrics(rdir) if m["segment"] == 1 or (m["segment"] == 2 and m["step"] <= 3)]
     (run.dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in records))
     then = {**state, "state": "RUNNING", "segments": [first, {**second, "state": "RUNNING", "ended": None}]}
-    row = report.summary(run, then)
-    assert row["replaying"] == (3, lost_at) and report.step_cell(row) == f"3 (replaying -> {lost_at})"
-    assert f"steps: replaying 3 -> {lost_at}: this segment re-trains" in report.detail(run, then, row)
-    from hpcrl import progress
+    row = status_text.summary(run, then)
+    assert row["replaying"] == (3, lost_at) and status_text.step_cell(row) == f"3 (replaying -> {lost_at})"
+    assert f"steps: replaying 3 -> {lost_at}: this segment re-trains" in status_text.detail(run, then, row)
+    from hpcrl.status import eta as status_eta
 
-    assert progress.at_risk(records, then, None, time.time())["steps"] == 3  # no checkpoint yet: all 3 at risk
+    assert status_eta.at_risk(records, then, None, time.time())["steps"] == 3  # no checkpoint yet: all 3 at risk
 
 
 def test_crash_at_same_step_fails_after_two_segments_without_progress(fast_local):
@@ -176,10 +176,10 @@ def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_conti
     assert state["stop"]["step"] == trained
     assert [s["state"] for s in state["segments"][1:]] == ["CANCELLED"], "the queued successor never ran"
     assert json.loads(hpcrl("status", "stp", "--json").stdout)[0]["state"] == "STOPPED"
-    from hpcrl import report
+    from hpcrl.status import text as status_text
     from hpcrl.runs import Run
 
-    (g,) = report.goodput_of(Run.by_id("stp"), state)
+    (g,) = status_text.goodput_of(Run.by_id("stp"), state)
     # by the time it held (its start-up is most of it here), not by the 3 minutes it was not asked to use
     # (train_s and used_s are shown to 0.1 s: the tolerance is that rounding's, far below what 3 minutes would give)
     assert abs(g["goodput"] - g["train_s"] / g["used_s"]) <= 0.051 / g["used_s"] + 0.0005, g

@@ -24,7 +24,7 @@ def _state(segments, state="RUNNING", hours=0.01):
 
 def _timings(spans):
     """segment k -> SegmentTiming from (first_step, last_step, first_time, last_time)."""
-    from hpcrl.results import segment_timings
+    from hpcrl.status.metrics import segment_timings
 
     recs = []
     for k, (s0, s1, t0, t1) in spans.items():
@@ -34,27 +34,27 @@ def _timings(spans):
 
 
 def test_eta_of_a_steady_chain_and_node_hours_are_segments_times_used_time_times_nodes():
-    from hpcrl import progress
+    from hpcrl.status import eta as status_eta
 
     # 36 s segments: 6 s start-up, 1 step/s for 26 s, 4 s to stop and save; 1 s between segments
     T = 1_000_000.0
     segs = [{"k": 1, "job_id": "1", "state": "CONTINUE", "started": T, "ended": T + 36, "start_step": None,
              "end_step": 26}, {"k": 2, "job_id": "2", "state": "RUNNING", "started": T + 37, "start_step": 26}]
     timings = _timings({1: (1, 26, T + 7, T + 32), 2: (27, 36, T + 44, T + 53)})
-    facts = progress.RunFacts(total_steps=100, walltime_s=36, stop_lead_s=4, nodes=2, gpus_per_node=4,
+    facts = status_eta.RunFacts(total_steps=100, walltime_s=36, stop_lead_s=4, nodes=2, gpus_per_node=4,
                               charge_factor=1.5)
-    eta = progress.eta(_state(segs), timings, facts, step=36, now=T + 53)
+    eta = status_eta.eta(_state(segs), timings, facts, step=36, now=T + 53)
     assert eta["steps_per_s"] == 1.0
     # segment 2 trains until 37+6+26 = 69 (step 52); 48 steps left = 1 full segment (26) + 22 steps:
     # segment 3 starts at 37+36+1 = 74, segment 4 at 111, trains from 117: finishes at 139
     assert eta["segments_left"] == 2 and eta["finish_time"] == pytest.approx(T + 139, abs=0.5)
-    cost = progress.cost(_state(segs), facts, now=T + 53, wall_s_left=eta["wall_s_left"])
+    cost = status_eta.cost(_state(segs), facts, now=T + 53, wall_s_left=eta["wall_s_left"])
     used = 36 + (53 - 37)
     assert cost["node_hours"] == round(used * 2 / 3600, 4) and cost["gpu_hours"] == round(used * 8 / 3600, 4)
     assert cost["charged_hours"] == round(used * 2 * 1.5 / 3600, 4)
     # the rest: 20 s more of segment 2, one full 36 s segment, then 6 + 22 + 4 s
     assert cost["node_hours_projected"] == round((used + 20 + 36 + 32) * 2 / 3600, 4)
-    good = progress.goodput(_state(segs), timings, facts, now=T + 53)
+    good = status_eta.goodput(_state(segs), timings, facts, now=T + 53)
     assert good[0]["goodput"] == pytest.approx(26 / 36, abs=0.01)  # start-up and the stop lead lost
 
 
@@ -301,11 +301,11 @@ def _same_greedy_as_the_trainer(rdir: Path, exported: Path, records: list[dict])
 
 
 def test_export_of_a_verl_run_renders_verls_merger_in_the_runs_venv(home, tmp_path):
-    from hpcrl import launch
+    from hpcrl import control
     from hpcrl.spec import resolve
 
     sets = [f"args.model={tmp_path}/m", f"args.train_files={tmp_path}/t.parquet", f"args.val_files={tmp_path}/v.parquet"]
-    run = launch.create_run(resolve(None, "local", sets, {"trainer": "verl"}), "vr")
+    run = control.create_run(resolve(None, "local", sets, {"trainer": "verl"}), "vr")
     ckpt = run.layout.checkpoints
     (ckpt / "global_step_7" / "actor").mkdir(parents=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("7")

@@ -127,12 +127,12 @@ def test_charge_factor_is_the_qos_own(qos, sets, factor):
 
 
 def test_cost_projection_uses_the_qos_charge():
-    from hpcrl import progress
+    from hpcrl.status import eta as status_eta
 
-    facts = progress.RunFacts(total_steps=None, walltime_s=3600, nodes=1, gpus_per_node=4,
+    facts = status_eta.RunFacts(total_steps=None, walltime_s=3600, nodes=1, gpus_per_node=4,
                               charge_factor=resolved(qos="preempt", hours=1)["site"]["charge_factor"])
     state = {"segments": [{"started": 100.0, "ended": 3700.0}]}  # one node-hour on preempt
-    assert progress.cost(state, facts, 3700.0, 0)["charged_hours"] == pytest.approx(0.25)
+    assert status_eta.cost(state, facts, 3700.0, 0)["charged_hours"] == pytest.approx(0.25)
 
 
 def test_preempt_renders_requeue_as_nersc_asks():

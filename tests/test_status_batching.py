@@ -12,7 +12,8 @@ import time
 import pytest
 
 from helpers import hpcrl, use_fake_gcloud
-from hpcrl import cli, launch
+from hpcrl import cli
+from hpcrl import control
 from hpcrl.backends import slurm
 from hpcrl.lifecycle import SegState
 from hpcrl.proc import CommandResult
@@ -42,7 +43,7 @@ def make_runs(n: int, forget_every: int = 0) -> tuple[set, set]:
                        {"trainer": "smoke"})
     running, forgotten = set(), set()
     for i in range(n):
-        run = launch.create_run(resolved, f"r{i:03d}")
+        run = control.create_run(resolved, f"r{i:03d}")
         a, b = str(1000 + 2 * i), str(1001 + 2 * i)
         with run.locked() as state:
             state["state"] = "RUNNING"
@@ -80,7 +81,7 @@ def test_status_of_a_maxtext_run_with_gs_checkpoints_never_calls_gcloud(home, tm
     sets = ["site.project=my-proj", "site.zone=us-east5-a", "site.bucket=gs://bucket",
             "args.load_parameters_path=gs://bucket/base", "args.base_output_directory=gs://bucket"]
     resolved = resolve(None, "tpu-v5p-8", sets, {"trainer": "maxtext"})
-    run = launch.create_run(resolved, "mx")
+    run = control.create_run(resolved, "mx")
     with run.locked() as state:  # a segment on its VM, as the watcher last saw it
         state["state"] = "RUNNING"
         state["segments"] = [{"job_id": "hpcrl-mx-1", "state": "RUNNING", "submitted": 1.0, "started": time.time(), "k": 1}]
@@ -91,7 +92,7 @@ def test_status_of_a_maxtext_run_with_gs_checkpoints_never_calls_gcloud(home, tm
     row = json.loads(hpcrl("status", "--json").stdout)[0]
     assert row["checkpoint_step"] is None and "hpcrl watch mx" in row["note"]
     # what the watcher (or the VM's end hook) lists, status then shows without listing itself
-    launch.WatcherOps().refresh_checkpoint_cache(run)
+    control.WatcherOps().refresh_checkpoint_cache(run)
     assert calls.exists()
     listed = calls.read_text()
     assert json.loads(hpcrl("status", "--json").stdout)[0]["checkpoint_step"] == 40
@@ -101,7 +102,7 @@ def test_status_of_a_maxtext_run_with_gs_checkpoints_never_calls_gcloud(home, tm
 
 def test_status_cache_sees_a_rewrite_within_the_same_mtime(home):
     resolved = resolve(None, "local", [], {"trainer": "smoke"})
-    run = launch.create_run(resolved, "cached")
+    run = control.create_run(resolved, "cached")
     with run.locked() as state:
         state["state"], state["reason"] = "STOPPED", "first"
     assert json.loads(hpcrl("status", "--json").stdout)[0]["reason"] == "first"  # now cached
@@ -118,14 +119,14 @@ def test_a_final_runs_segment_that_died_without_its_hook_is_closed(home, monkeyp
     # left RUNNING. Status closes it as LOST once the scheduler says the job ended, not before.
     running, forgotten = make_runs(2)
     for rid in ("r000", "r001"):
-        with launch.Run.by_id(rid).locked() as state:
+        with control.Run.by_id(rid).locked() as state:
             state["state"] = "CANCELLED"
             state["segments"][1].update(state=SegState.CANCELLED.value, ended=time.time())
     forgotten.add("1000")  # r000's job ended; r001's (1002) still runs
     monkeypatch.setattr(slurm, "run_command", SlurmDouble(running - {"1000"}, forgotten))
     assert cli.main(["status", "--json"]) == 0
     capsys.readouterr()
-    segs = {rid: launch.Run.by_id(rid).state()["segments"][0] for rid in ("r000", "r001")}
+    segs = {rid: control.Run.by_id(rid).state()["segments"][0] for rid in ("r000", "r001")}
     assert segs["r000"]["state"] == SegState.LOST.value and "cancelled" in segs["r000"]["reason"]
     assert segs["r001"]["state"] == SegState.RUNNING.value
-    assert launch.Run.by_id("r000").state()["state"] == "CANCELLED"
+    assert control.Run.by_id("r000").state()["state"] == "CANCELLED"

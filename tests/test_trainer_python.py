@@ -78,17 +78,18 @@ def test_submit_interpreter_without_verl_is_one_line(home, tmp_path):
 
 
 def test_other_verl_version_is_a_warning(home, tmp_path):
-    from hpcrl import launch, spec
+    from hpcrl import spec
+    from hpcrl import control
 
     py = fake_python(tmp_path, {"verl": "0.8.0"})
     resolved = spec.resolve(None, "local", ["trainer=verl", "args.model=/m", "args.train_files=/d/t.parquet",
                                            "args.val_files=/d/v.parquet", f"site.trainer_python={py}"])
     warnings = []
-    launch.check_trainer_python(resolved, warn=warnings.append)
+    control.check_trainer_python(resolved, warn=warnings.append)
     assert len(warnings) == 1 and "verl 0.8.0" in warnings[0] and "0.9.1" in warnings[0]
     ok = fake_python(tmp_path / "ok", {"verl": "0.9.1"})
     resolved["site"]["trainer_python"] = str(ok)
-    launch.check_trainer_python(resolved, warn=warnings.append)
+    control.check_trainer_python(resolved, warn=warnings.append)
     assert len(warnings) == 1
 
 

@@ -471,9 +471,9 @@ mkdir -p "$C/global_step_3"; echo 3 > "$C/latest_checkpointed_iteration.txt"
     # the actor's record written after the driver exited still reaches the run's metrics
     assert [json.loads(x)["step"] for x in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
     # ... with what `status` needs for verl's goodput (segment and time, as the built-in trainer's)
-    from hpcrl import results
+    from hpcrl.status import metrics as run_metrics
 
-    timing = results.segment_timings(results.read_records(tmp_path / "m.jsonl"))[1]
+    timing = run_metrics.segment_timings(run_metrics.read_records(tmp_path / "m.jsonl"))[1]
     assert (timing.first_step, timing.last_step, timing.steps) == (1, 2, 2) and timing.train_s > 0
 
 

@@ -187,7 +187,7 @@ class Backend:
 
     def reconcile(self, run, ops, interval_s: float) -> dict:
         """One step of the watcher for `reconciles_outside_job` backends; returns the state.
-        ops: the lifecycle steps it may take (launch.WatcherOps)."""
+        ops: the lifecycle steps it may take (control.WatcherOps)."""
         raise NotImplementedError
 
     def settled(self, run) -> bool:

@@ -470,7 +470,7 @@ class TpuBackend(Backend):
         """Logs, metrics and the checkpoint pointer into the local run dir (for status and logs)."""
         here, vm = RunLayout(run_dir), RunLayout(run_uri(self.site, Path(run_dir).name))
         here.checkpoints.mkdir(exist_ok=True)
-        pointer = "LATEST"  # hpcrl.ckptstore's pointer file: all that `status` reads of checkpoints
+        pointer = "LATEST"  # hpcrl.checkpoints.store's pointer file: all that `status` reads of checkpoints
         for argv in (["rsync", "--recursive", _uri(vm.logs), str(here.logs)],
                      ["cp", _uri(vm.metrics), str(here.metrics)],
                      ["cp", _uri(vm.checkpoints / pointer), str(here.checkpoints / pointer)]):

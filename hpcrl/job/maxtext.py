@@ -163,7 +163,7 @@ class GcsStore:
 
 # ------------------------------------------------------------------ metrics (Tunix's tensorboard events)
 
-# Tunix tag -> hpcrl metrics.jsonl key (what `status`, `report` and `plot` read)
+# Tunix tag -> hpcrl metrics.jsonl key (what `status`, `metrics` and `plot` read)
 METRIC_TAGS = {"actor/train/loss": "loss", "rewards/train/mean": "reward_mean", "actor/train/kl": "kl",
                "actor/train/grad_norm": "grad_norm", "completions/train/mean_length": "response_len"}
 # Tunix logs a step's rewards (from its rollout) under the step before its loss's: measured,

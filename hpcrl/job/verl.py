@@ -253,7 +253,7 @@ def hpcrl_record(rec: dict, segment: int | None = None, now: float | None = None
     if now is not None:
         out["time"] = round(now, 3)
     if isinstance(rec["data"].get("timing_s/step"), (int, float)):
-        out["step_time_s"] = rec["data"]["timing_s/step"]  # the built-in trainer's name (results.segment_timings)
+        out["step_time_s"] = rec["data"]["timing_s/step"]  # the built-in trainer's name (status.metrics.segment_timings)
     else:
         out["phase"] = "eval"
     for src, dst in METRIC_KEYS.items():

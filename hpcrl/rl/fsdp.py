@@ -29,7 +29,7 @@ import contextlib
 
 import torch
 
-from . import parts
+from ..checkpoints.trainer import parts
 
 
 def _api():
@@ -224,7 +224,7 @@ def owned_part(model, optimizer, rank: int, world: int, ref=None) -> tuple[dict,
     A collective: every tensor's shards are gathered to its owner only (one gather per tensor,
     the same order on every rank), so a save moves each byte once, to the rank that writes it,
     instead of all-gathering everything on every rank."""
-    from .checkpoint import flatten_optimizer
+    from ..checkpoints.trainer.checkpointer import flatten_optimizer
 
     sd = model.state_dict()
     owner = parts.assign({n: t.numel() * t.element_size() for n, t in sd.items()}, world)
@@ -289,8 +289,8 @@ def scatter_share(model, optimizer, dist, model_t: dict, optim_t: dict, metas: l
     import torch.distributed as tdist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from .checkpoint import optimizer_state_dict
-    from .tensorfile import ModelMismatch
+    from ..checkpoints.trainer.checkpointer import optimizer_state_dict
+    from ..checkpoints.trainer.tensorfile import ModelMismatch
 
     ref_t = {REF + n: t for n, t in (ref_t or {}).items()}  # the reference's names are the model's
     held = dist.gather({n: (list(t.shape), str(t.dtype)) for n, t in {**model_t, **optim_t, **ref_t}.items()})

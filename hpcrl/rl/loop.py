@@ -10,7 +10,8 @@ import torch
 
 from .. import protocol
 from ..schemas.builtin import ALGORITHMS
-from . import algos, checkpoint, data, fsdp, memory, metrics, policy, prepare, reward_mix, warmup
+from ..checkpoints.trainer import checkpointer as checkpoint
+from . import algos, data, fsdp, memory, metrics, policy, prepare, reward_mix, warmup
 from .dist import Dist, generator, stream_seed
 from .rollout import HFGenerateRollout, HFRollout
 from .sampler import EpochSampler

@@ -54,9 +54,9 @@ def main(argv=None) -> int:
         report_failure(ctx, f"args.reward {cfg['reward']!r}: {e.__class__.__name__}: {e}; install it into the "
                             f"trainer's environment")
         return 2
-    from .checkpoint import RanksDisagree
+    from ..checkpoints.trainer.checkpointer import RanksDisagree
     from .loop import SaveFailed
-    from .tensorfile import ModelMismatch
+    from ..checkpoints.trainer.tensorfile import ModelMismatch
 
     try:
         return trainer.run()

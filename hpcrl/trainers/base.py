@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..ckptstore import CheckpointStore
+from ..checkpoints.store import CheckpointStore
 from ..errors import SpecError
 from ..schemas import Schema
 
@@ -141,7 +141,7 @@ class Trainer:
         """The step of the newest complete checkpoint, or None. remote=False (`status`): cheap,
         never the network; remote=True (a segment's hooks, a watcher): may list remote storage
         and cache what it found in the run directory. The default reads the pointer of hpcrl's
-        own checkpoint store (hpcrl/ckptstore.py)."""
+        own checkpoint store (hpcrl/checkpoints/store.py)."""
         return CheckpointStore(ckpt_dir).latest_step()
 
 

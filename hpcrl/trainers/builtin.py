@@ -55,7 +55,7 @@ class BuiltinTrainer(Trainer):
                 out = subprocess.run([python, "-c", _FIND, *modules], capture_output=True, text=True, timeout=120,
                                      cwd="/", env=env)
             except (OSError, subprocess.TimeoutExpired):
-                return  # the interpreter itself is checked elsewhere (launch.check_trainer_python)
+                return  # the interpreter itself is checked elsewhere (control.check_trainer_python)
             missing = out.stdout.split()
             if out.returncode == 0 and missing:
                 raise SpecError(f"args.reward: module '{missing[0]}' is not importable by the trainer's python "

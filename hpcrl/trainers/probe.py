@@ -76,7 +76,7 @@ def expand(value: str, env: dict) -> Path | None:
 
 def probe(python: str, env: dict, rewards: list[tuple[str, str]], tables: list[str]) -> Facts | None:
     """Ask `python` (cwd /: the job runs in its run directory, not where submit was typed). None
-    when it cannot answer (the interpreter itself is checked by launch.check_trainer_python)."""
+    when it cannot answer (the interpreter itself is checked by control.check_trainer_python)."""
     if not rewards and not tables:
         return Facts()
     ask = json.dumps({"rewards": [list(r) for r in rewards], "tables": list(tables)})

@@ -23,7 +23,7 @@ import sys
 import time
 
 from .. import protocol
-from ..ckptstore import CheckpointStore
+from ..checkpoints.store import CheckpointStore
 from ..schemas import Float, Int, Schema, Str
 from .base import Trainer, TrainerContext
 

@@ -94,9 +94,9 @@ def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0, eval_delay_s: 
         RLTrainer._sft_step = delayed(RLTrainer._sft_step, step_delay_s)
         RLTrainer._rl_step = delayed(RLTrainer._rl_step, step_delay_s)
     if save_pause_s:
-        from hpcrl.rl import checkpoint
+        from hpcrl.checkpoints.trainer import checkpointer
 
-        checkpoint.write_snapshot = delayed(checkpoint.write_snapshot, save_pause_s)
+        checkpointer.write_snapshot = delayed(checkpointer.write_snapshot, save_pause_s)
     if eval_delay_s:
         from hpcrl.rl import rollout
 

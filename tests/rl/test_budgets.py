@@ -4,8 +4,8 @@ import json
 import types
 
 from hpcrl import protocol
-from hpcrl.ckptstore import CheckpointStore
-from hpcrl.rl import checkpoint
+from hpcrl.checkpoints.store import CheckpointStore
+from hpcrl.checkpoints.trainer import checkpointer
 from hpcrl.rl.cpus import workers_per_rank
 from hpcrl.rl.loop import RLTrainer
 
@@ -21,7 +21,7 @@ def budget(last_save_s=0.0, carried_save_s=0.0, nbytes=0):
 
 def test_the_first_save_is_budgeted_from_the_checkpoint_size_or_the_runs_last_save():
     gb12 = 12 * 10 ** 9  # a 1B model's float32 weights and AdamW moments on one rank
-    assert budget(nbytes=gb12) == 2 * checkpoint.estimate_save_s(gb12) >= 100  # not the 1 s of before
+    assert budget(nbytes=gb12) == 2 * checkpointer.estimate_save_s(gb12) >= 100  # not the 1 s of before
     assert budget(nbytes=1000) == 1.0  # a tiny model: the floor
     assert budget(carried_save_s=80.0, nbytes=1000) == 160.0  # the last segment's save took 80 s
     assert budget(last_save_s=3.0, carried_save_s=80.0, nbytes=gb12) == 6.0  # timed in this process: that

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from hpcrl import protocol
-from hpcrl.ckptstore import CheckpointStore, checkpoint_name
+from hpcrl.checkpoints.store import CheckpointStore, checkpoint_name
 
 from helpers import flip_bit, read_metrics, wait_for_step, wait_until
 from rl_helpers import DIST_ARGS, checkpoint_model, exit_file_code, run_trainer, start_torchrun, write_config

@@ -1,4 +1,4 @@
-"""Checkpoints written in parts (hpcrl/rl/parts.py), in one process: two Checkpointers on one
+"""Checkpoints written in parts (hpcrl/checkpoints/trainer/parts.py), in one process: two Checkpointers on one
 store play rank 0 and rank 1 (threads, as the background writers of two ranks run), so what
 the ranks agree on through the temporary directory is tested without torchrun; the torchrun
 runs that write and read such checkpoints for real are in test_dist.py. A plain (unsharded)
@@ -7,8 +7,9 @@ model gives fsdp.owned_part the same whole tensors it gathers from shards."""
 import pytest
 import torch
 
-from hpcrl import ckptstore
-from hpcrl.rl import checkpoint, fsdp, parts, policy
+from hpcrl.checkpoints import store as ckpt_store
+from hpcrl.rl import fsdp, policy
+from hpcrl.checkpoints.trainer import checkpointer, parts
 from hpcrl.rl.tiny import build_tiny_model
 
 from rl_helpers import as_two_ranks, checkpoint_model
@@ -31,7 +32,7 @@ def trained(model_dir):
 def save_in_parts(store_dir, model, opt, tok, step, world=2, broken_rank=None, silent_rank=None, blocked_rank=None,
                   wait_s=30.0, ref=None):
     """Every rank's save_part into one temporary directory; each rank's error (or None)."""
-    savers = [checkpoint.Checkpointer(store_dir, keep_last=3, async_save=True, tokenizer=tok) for _ in range(world)]
+    savers = [checkpointer.Checkpointer(store_dir, keep_last=3, async_save=True, tokenizer=tok) for _ in range(world)]
     tmp = savers[0].store.new_tmp_dir()
     if blocked_rank is not None:  # a directory where its model file goes: its open() fails (an OSError)
         (tmp / parts.part_name("model", blocked_rank, world)).mkdir()
@@ -44,7 +45,7 @@ def save_in_parts(store_dir, model, opt, tok, step, world=2, broken_rank=None, s
             part["model"]["bad"] = torch.zeros(2, dtype=torch.complex64)
         common = None
         if rank == 0:
-            common = {"ref": None, "rng": checkpoint.rng_state(), "state": {"step": step}, "config": model.config,
+            common = {"ref": None, "rng": checkpointer.rng_state(), "state": {"step": step}, "config": model.config,
                       "index": index}
         savers[rank].save_part(step, tmp, part, rank, world, common, wait_s=wait_s)
     for rank in range(world):
@@ -59,23 +60,23 @@ def test_two_ranks_parts_make_one_checkpoint_every_world_size_reads(trained, mod
     model, tok, opt = trained
     tmp, errors = save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4)
     assert errors == [None, None]
-    step, path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()
+    step, path = ckpt_store.CheckpointStore(tmp_path / "ckpt").find_latest()
     assert step == 4 and not tmp.exists()
     names = sorted(p.name for p in path.iterdir())
     assert [n for n in names if parts.is_part(n)] == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
         "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"]
     assert parts.MODEL_INDEX in names and not [n for n in names if n.startswith(".part")]
-    manifest = ckptstore.read_manifest(path)["files"]
+    manifest = ckpt_store.read_manifest(path)["files"]
     for name in names:  # every rank's digest reached the manifest, and it is the file's
-        if name != ckptstore.MANIFEST_FILE:
-            assert manifest[name][ckptstore.digest_algorithm()] == ckptstore.file_digest(path / name), name
+        if name != ckpt_store.MANIFEST_FILE:
+            assert manifest[name][ckpt_store.digest_algorithm()] == ckpt_store.file_digest(path / name), name
     want = {k: v.clone() for k, v in model.state_dict().items()}
     assert checkpoint_model(path).keys() == want.keys()
     # a 1-rank process loads it: each part file into the parameters its index names
     fresh, _ = policy.load_policy(model_dir, torch.device("cpu"))
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    assert checkpoint.load_into(path, fresh, fresh_opt)["step"] == 4
+    assert checkpointer.load_into(path, fresh, fresh_opt)["step"] == 4
     assert all(torch.equal(want[k], v) for k, v in fresh.state_dict().items())
     got, ref = fresh_opt.state_dict(), opt.state_dict()
     assert got["param_groups"] == ref["param_groups"] and got["state"].keys() == ref["state"].keys()
@@ -91,8 +92,8 @@ def test_two_ranks_parts_make_one_checkpoint_every_world_size_reads(trained, mod
 def test_the_shares_are_balanced_and_dealt_round_robin(trained, tmp_path):
     model, tok, opt = trained
     save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2)
-    path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
-    files = ckptstore.read_manifest(path)["files"]
+    path = ckpt_store.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
+    files = ckpt_store.read_manifest(path)["files"]
     sizes = [files[parts.part_name("model", r, 2)]["size"] for r in (0, 1)]
     biggest = max(v.numel() * v.element_size() for v in model.state_dict().values())
     assert abs(sizes[0] - sizes[1]) <= biggest + 4096  # greedy: within one tensor (and the headers)
@@ -108,7 +109,7 @@ def test_a_rank_that_fails_its_part_fails_the_save_and_leaves_no_checkpoint(trai
     save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2)
     tmp, errors = save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4, broken_rank=1)
     assert "rank 1 failed to write its part" in str(errors[0]) and errors[1] is not None
-    store = ckptstore.CheckpointStore(tmp_path / "ckpt")
+    store = ckpt_store.CheckpointStore(tmp_path / "ckpt")
     assert store.find_latest()[0] == 2 and store.latest_step() == 2  # the previous one stays the newest
     assert not tmp.exists()  # rank 0 removed the half-written directory
 
@@ -122,14 +123,14 @@ def test_a_rank_whose_write_fails_with_an_os_error_passes_it_on_as_one(trained, 
     assert isinstance(errors[0], OSError) and errors[0].errno == errno.EISDIR, errors
     assert errors[0].filename == str(tmp / "model-00002-of-00002.safetensors")
     assert isinstance(errors[1], IsADirectoryError)
-    assert ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest() is None and not tmp.exists()
+    assert ckpt_store.CheckpointStore(tmp_path / "ckpt").find_latest() is None and not tmp.exists()
 
 
 def test_a_rank_that_never_reports_times_the_save_out(trained, tmp_path):
     model, tok, opt = trained
     tmp, errors = save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4, silent_rank=1, wait_s=0.5)
     assert isinstance(errors[0], TimeoutError) and "ranks [1] did not write" in str(errors[0])
-    assert ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest() is None and not tmp.exists()
+    assert ckpt_store.CheckpointStore(tmp_path / "ckpt").find_latest() is None and not tmp.exists()
 
 
 def test_a_damaged_part_is_refused_by_the_rank_that_reads_it(trained, tmp_path):
@@ -137,11 +138,11 @@ def test_a_damaged_part_is_refused_by_the_rank_that_reads_it(trained, tmp_path):
 
     model, tok, opt = trained
     save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2)
-    path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
+    path = ckpt_store.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
     flip_bit(path / "optimizer-00002-of-00002.safetensors")
-    files = ckptstore.read_manifest(path)["files"]
+    files = ckpt_store.read_manifest(path)["files"]
     parts.read_share(path, files, 0, 2)  # rank 0 does not read that file
-    with pytest.raises(checkpoint.CorruptFile, match="optimizer-00002-of-00002.safetensors: fails its"):
+    with pytest.raises(checkpointer.CorruptFile, match="optimizer-00002-of-00002.safetensors: fails its"):
         parts.read_share(path, files, 1, 2)
 
 
@@ -158,13 +159,13 @@ def test_export_of_a_checkpoint_in_parts_is_a_sharded_model_directory(home, trai
     manifest), the optimizer's parts do not, and from_pretrained loads the directory."""
     from transformers import AutoModelForCausalLM
 
-    from hpcrl import launch
+    from hpcrl import control
     from hpcrl.spec import resolve
 
     from helpers import hpcrl
 
     model, tok, opt = trained
-    run = launch.create_run(resolve(None, "local", [f"args.model={model_dir}"], {"trainer": "builtin"}), "fs")
+    run = control.create_run(resolve(None, "local", [f"args.model={model_dir}"], {"trainer": "builtin"}), "fs")
     _, errors = save_in_parts(run.layout.checkpoints, model, opt, tok, step=6)
     assert errors == [None, None]
     out = tmp_path / "hf"
@@ -187,11 +188,11 @@ def test_ranks_that_see_different_newest_checkpoints_fail_together(trained, tmp_
     save_in_parts(tmp_path / "node1", model, opt, tok, step=2)
 
     def resume(rank, gather):
-        ckpt = checkpoint.Checkpointer(tmp_path / f"node{rank}", keep_last=3, async_save=False, tokenizer=tok)
-        return checkpoint.restore_share(ckpt, rank, 2, gather)
+        ckpt = checkpointer.Checkpointer(tmp_path / f"node{rank}", keep_last=3, async_save=False, tokenizer=tok)
+        return checkpointer.restore_share(ckpt, rank, 2, gather)
 
     errors = as_two_ranks(resume)
-    assert all(isinstance(e, checkpoint.RanksDisagree) for e in errors), errors
+    assert all(isinstance(e, checkpointer.RanksDisagree) for e in errors), errors
     assert str(errors[0]) == str(errors[1]) and "different newest checkpoints (steps [2, 4])" in str(errors[0])
     assert "a file system every node shares" in str(errors[0])
 
@@ -201,8 +202,8 @@ def test_ranks_that_agree_resume_the_same_step_with_their_own_shares(trained, tm
     save_in_parts(tmp_path / "ckpt", model, opt, tok, step=4)
 
     def resume(rank, gather):
-        ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", keep_last=3, async_save=False, tokenizer=tok)
-        step, path, share = checkpoint.restore_share(ckpt, rank, 2, gather)
+        ckpt = checkpointer.Checkpointer(tmp_path / "ckpt", keep_last=3, async_save=False, tokenizer=tok)
+        step, path, share = checkpointer.restore_share(ckpt, rank, 2, gather)
         return step, path.name, set(share[0])
 
     got = as_two_ranks(resume)
@@ -225,7 +226,7 @@ def test_the_trainer_reports_ranks_that_disagree_in_one_line(tmp_path, monkeypat
             pass
 
         def run(self):
-            raise checkpoint.RanksDisagree("the ranks see different newest checkpoints (steps [2, 4]): ...")
+            raise checkpointer.RanksDisagree("the ranks see different newest checkpoints (steps [2, 4]): ...")
 
     config = write_config(tmp_path)
     for key, value in protocol_env(tmp_path).items():
@@ -246,15 +247,15 @@ def test_the_reference_is_written_in_parts_and_read_back_by_one_rank_and_by_shar
     ref, _ = policy.load_policy(model_dir, torch.device("cpu"))  # the base model: unlike the trained one
     assert any(not torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))
     save_in_parts(tmp_path / "ckpt", model, opt, tok, step=2, ref=ref)
-    path = ckptstore.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
-    files = ckptstore.read_manifest(path)["files"]
+    path = ckpt_store.CheckpointStore(tmp_path / "ckpt").find_latest()[1]
+    files = ckpt_store.read_manifest(path)["files"]
     assert parts.files_of(files, "ref") == ["ref-00001-of-00002.safetensors", "ref-00002-of-00002.safetensors"]
     fresh, _ = policy.load_policy(model_dir, torch.device("cpu"))
     fresh_ref, _ = policy.load_policy(model_dir, torch.device("cpu"))
     with torch.no_grad():
         for p in fresh_ref.parameters():
             p.zero_()
-    checkpoint.load_into(path, fresh, torch.optim.AdamW(fresh.parameters()), fresh_ref)
+    checkpointer.load_into(path, fresh, torch.optim.AdamW(fresh.parameters()), fresh_ref)
     assert all(torch.equal(v, fresh_ref.state_dict()[k]) for k, v in ref.state_dict().items())
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in model.state_dict().items())
     shares = [parts.read_share(path, files, r, 2) for r in (0, 1)]

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from hpcrl import protocol
-from hpcrl.ckptstore import CheckpointStore
+from hpcrl.checkpoints.store import CheckpointStore
 from hpcrl.rl import policy
 from hpcrl.rl.tiny import build_tiny_model
 
@@ -79,9 +79,9 @@ def test_export_writes_the_models_dtype_by_default_and_the_asked_one(home, tmp_p
 
     from safetensors import safe_open
 
-    from hpcrl import launch
+    from hpcrl import control
     from hpcrl.export import _header_dtypes
-    from hpcrl.rl import checkpoint
+    from hpcrl.checkpoints.trainer import checkpointer
     from hpcrl.spec import resolve
 
     from helpers import hpcrl
@@ -91,8 +91,8 @@ def test_export_writes_the_models_dtype_by_default_and_the_asked_one(home, tmp_p
     (model_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))  # a bf16 model
     model, tok = policy.load_policy(model_dir, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    run = launch.create_run(resolve(None, "local", [f"args.model={model_dir}"], {"trainer": "builtin"}), "mp")
-    checkpoint.Checkpointer(run.layout.checkpoints, async_save=False, tokenizer=tok).save_now(
+    run = control.create_run(resolve(None, "local", [f"args.model={model_dir}"], {"trainer": "builtin"}), "mp")
+    checkpointer.Checkpointer(run.layout.checkpoints, async_save=False, tokenizer=tok).save_now(
         3, model, opt, {"step": 3})
     saved = CheckpointStore(run.layout.checkpoints).find_latest()[1]
     assert _header_dtypes(saved / "model.safetensors") == {"F32"}  # the masters

@@ -6,9 +6,10 @@ import threading
 import pytest
 import torch
 
-from hpcrl import ckptstore
-from hpcrl.ckptstore import CheckpointStore, checkpoint_name
-from hpcrl.rl import checkpoint, policy, warmup
+from hpcrl.checkpoints import store as ckpt_store
+from hpcrl.checkpoints.store import CheckpointStore, checkpoint_name
+from hpcrl.rl import policy, warmup
+from hpcrl.checkpoints.trainer import checkpointer
 from hpcrl.rl.rollout import HFGenerateRollout, HFRollout, _top_p_filter, response_mask_from
 from hpcrl.rl.tiny import build_tiny_model
 
@@ -112,24 +113,24 @@ def _snapshot(model, step):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     opt.step()
-    return opt, checkpoint.snapshot(model, opt, {"step": step, "sampler": {"epoch": 0, "cursor": step}})
+    return opt, checkpointer.snapshot(model, opt, {"step": step, "sampler": {"epoch": 0, "cursor": step}})
 
 
 def test_background_save_is_sealed_and_loads_back(tiny, tmp_path):
     model, tok = tiny
     opt, snap = _snapshot(model, 4)
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=True, tokenizer=tok)
+    saver = checkpointer.Checkpointer(tmp_path, keep_last=2, async_save=True, tokenizer=tok)
     saver.save(4, snap)
     saver.wait()
     step, path = saver.latest()
-    assert step == 4 and ckptstore.verify_checkpoint(path) is None
+    assert step == 4 and ckpt_store.verify_checkpoint(path) is None
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng_then = torch.get_rng_state()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
     torch.rand(10)
-    state = checkpoint.load_into(path, model, opt)
+    state = checkpointer.load_into(path, model, opt)
     assert state["step"] == 4
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng_then)
@@ -145,7 +146,7 @@ def test_save_now_reuses_snapshot_buffers_and_saves_what_the_model_held(tiny, tm
 
     model, tok = tiny
     opt, _ = _snapshot(model, 1)
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=5, async_save=True)
+    saver = checkpointer.Checkpointer(tmp_path, keep_last=5, async_save=True)
     held, ptrs = {}, []
     for step, background in ((1, True), (2, True), (3, False)):
         with torch.no_grad():
@@ -165,8 +166,8 @@ def test_save_now_reuses_snapshot_buffers_and_saves_what_the_model_held(tiny, tm
 def test_save_waits_for_the_pending_one_and_keeps_last_k(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     opt, snap = _snapshot(model, 1)
-    monkeypatch.setattr(checkpoint, "write_snapshot", delayed(checkpoint.write_snapshot, 0.3))
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=True)
+    monkeypatch.setattr(checkpointer, "write_snapshot", delayed(checkpointer.write_snapshot, 0.3))
+    saver = checkpointer.Checkpointer(tmp_path, keep_last=2, async_save=True)
     for step in (1, 2, 3):
         saver.save(step, snap)
         assert threading.active_count() >= 2  # writing in the background
@@ -178,7 +179,7 @@ def test_save_waits_for_the_pending_one_and_keeps_last_k(tiny, tmp_path, monkeyp
 def _two_checkpoints(model, tmp_path):
     """Checkpoints 1 and 2 with different weights; returns (saver, optimizer, weights of 1)."""
     opt, snap1 = _snapshot(model, 1)
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=False)
+    saver = checkpointer.Checkpointer(tmp_path, keep_last=3, async_save=False)
     saver.save(1, snap1)
     _, snap2 = _snapshot(model, 2)
     saver.save(2, snap2)
@@ -207,7 +208,7 @@ def test_truncated_tensor_file_and_no_intact_checkpoint(tiny, tmp_path, capsys):
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
     assert saver.restore(model, opt) == (None, None, False)  # sizes alone told: nothing was read
     _, _, _ = _two_checkpoints(model, tmp_path / "again")
-    saver = checkpoint.Checkpointer(tmp_path / "again", async_save=False)
+    saver = checkpointer.Checkpointer(tmp_path / "again", async_save=False)
     for step in (1, 2):
         flip_bit(tmp_path / "again" / checkpoint_name(step) / "model.safetensors", at=0.7)
     assert saver.restore(model, opt) == (None, None, True)  # weights were touched: caller reloads
@@ -220,7 +221,7 @@ def test_tensor_files_are_plain_safetensors_and_the_optimizer_round_trips(tiny, 
 
     model, tok = tiny
     opt, snap = _snapshot(model, 3)
-    saver = checkpoint.Checkpointer(tmp_path, async_save=False)
+    saver = checkpointer.Checkpointer(tmp_path, async_save=False)
     saver.save(3, snap)
     path = saver.latest()[1]
     on_disk = load_file(path / "model.safetensors")  # the reference reader agrees with ours
@@ -228,12 +229,12 @@ def test_tensor_files_are_plain_safetensors_and_the_optimizer_round_trips(tiny, 
     assert all(torch.equal(on_disk[k], snap["model"][k]) for k in on_disk)
     with safe_open(path / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
-    manifest = ckptstore.read_manifest(path)
+    manifest = ckpt_store.read_manifest(path)
     assert manifest["files"]["model.safetensors"] == {
-        ckptstore.digest_algorithm(): ckptstore.file_digest(path / "model.safetensors"),
+        ckpt_store.digest_algorithm(): ckpt_store.file_digest(path / "model.safetensors"),
         "size": (path / "model.safetensors").stat().st_size}  # the in-stream digest is the file's
     fresh = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.3)
-    checkpoint.load_into(path, model, fresh)
+    checkpointer.load_into(path, model, fresh)
     want, got = snap["optimizer"], fresh.state_dict()
     assert got["param_groups"] == want["param_groups"]
     assert want["state"].keys() == got["state"].keys()
@@ -243,7 +244,7 @@ def test_tensor_files_are_plain_safetensors_and_the_optimizer_round_trips(tiny, 
 
 
 def test_bf16_and_scalars_round_trip(tmp_path):
-    from hpcrl.rl import tensorfile
+    from hpcrl.checkpoints.trainer import tensorfile
 
     tensors = {"w": torch.randn(3, 5).to(torch.bfloat16), "step": torch.tensor(7.0), "mask": torch.tensor([True, False]),
                "empty": torch.zeros(0, 4)}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from hpcrl import protocol
-from hpcrl.ckptstore import CheckpointStore, checkpoint_name
+from hpcrl.checkpoints.store import CheckpointStore, checkpoint_name
 
 from helpers import flip_bit, last_step, read_metrics, wait_for_step, wait_until
 from rl_helpers import run_trainer, start_trainer, write_config

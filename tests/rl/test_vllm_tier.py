@@ -97,7 +97,7 @@ def _hf_greedy_eval(ckpt, val):
 @pytest.mark.timeout(3000)
 def test_two_ranks_each_with_its_engine_through_submit_across_a_walltime_resume_exactly(vllm_python, fast_local,
                                                                                         tmp_path):
-    from hpcrl.ckptstore import CheckpointStore, checkpoint_name
+    from hpcrl.checkpoints.store import CheckpointStore, checkpoint_name
     from hpcrl.rl import data
 
     straight, straight_log = _straight_run(vllm_python, tmp_path)

@@ -1,5 +1,5 @@
 """What `status` and `logs` show. Reads run directories; never imports the ML stack or YAML,
-and never waits on the network (reconciling is launch's, done before rows are drawn)."""
+and never waits on the network (reconciling is control's, done before rows are drawn)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,20 @@ import os
 import time
 from pathlib import Path
 
-from . import lifecycle
-from .atomicio import atomic_write_text
-from .errors import HpcrlError
-from .lifecycle import RunState, SegState
-from .runs import Run
+from .. import lifecycle
+from ..atomicio import atomic_write_text
+from ..errors import HpcrlError
+from ..lifecycle import RunState, SegState
+from ..runs import Run
 
 def _ckpt_info(run: Run, trainer: str) -> tuple[int | None, float | None]:
-    from .trainers import get_trainer  # launcher-side adapters only: no torch
+    from ..trainers import get_trainer  # launcher-side adapters only: no torch
 
     ckpt_dir = run.layout.checkpoints
     step = get_trainer(trainer).checkpoint_step(run.dir, ckpt_dir, remote=False)
     if step is None:
         return None, None
-    from .ckptstore import checkpoint_name  # only for rows read fresh (cached rows need none)
+    from ..checkpoints.store import checkpoint_name  # only for rows read fresh (cached rows need none)
 
     path = ckpt_dir / checkpoint_name(step)  # hpcrl's own store; other trainers: the dir's own time
     try:
@@ -37,9 +37,9 @@ def _display_state(run: Run, state: dict) -> str:
 
 
 def planned_segments(state: dict, now: float | None = None) -> int:
-    from . import progress
+    from . import eta
 
-    return progress.planned_segments(state, time.time() if now is None else now)
+    return eta.planned_segments(state, time.time() if now is None else now)
 
 
 # progress and results are imported where used: `status` of finished runs reads only the cache
@@ -48,9 +48,9 @@ ACTIVE_STATES = frozenset(s.value for s in lifecycle.ACTIVE)
 
 def run_facts(run: Run, state: dict):
     """The numbers of the frozen spec that ETA and cost need (defaults where it cannot be read):
-    a progress.RunFacts."""
-    from . import progress
-    from .trainers import get_trainer  # launcher-side adapters only: no torch
+    a eta.RunFacts."""
+    from . import eta
+    from ..trainers import get_trainer  # launcher-side adapters only: no torch
 
     try:
         resolved = json.loads(run.layout.spec.read_text(encoding="utf-8"))
@@ -62,7 +62,7 @@ def run_facts(run: Run, state: dict):
         total = get_trainer(state.get("trainer", "smoke")).total_steps(spec.get("args") or {})
     except (HpcrlError, KeyError, TypeError, ValueError):
         total = None
-    return progress.RunFacts(total_steps=total, walltime_s=float(state["budget"].get("hours") or 0) * 3600.0,
+    return eta.RunFacts(total_steps=total, walltime_s=float(state["budget"].get("hours") or 0) * 3600.0,
                              stop_lead_s=float(site.get("signal_lead_s") or 0), nodes=int(res.get("nodes") or 1),
                              gpus_per_node=int(res.get("gpus_per_node") or site.get("gpus_per_node") or 0),
                              charge_factor=site.get("charge_factor"))
@@ -70,20 +70,20 @@ def run_facts(run: Run, state: dict):
 
 def summary(run: Run, state: dict | None = None, note: str | None = None) -> dict:
     """One run as a dict (the --json row and the table row). note: a line the run's backend adds
-    (e.g. that no watcher keeps it going). eta and cost: see hpcrl/progress.py."""
-    from . import progress, results
+    (e.g. that no watcher keeps it going). eta and cost: see hpcrl/status/eta.py."""
+    from . import eta, metrics
 
     state = state or run.state()
     now = time.time()
     ckpt_step, ckpt_time = _ckpt_info(run, state.get("trainer", "smoke"))
-    records = results.read_records(run.layout.metrics)
-    metrics = records[-1] if records else None
+    records = metrics.read_records(run.layout.metrics)
+    last = records[-1] if records else None
     live = lifecycle.live_segments(state)
     started = [s for s in state["segments"] if s.get("started")]
-    metric_name, metric = _headline_metric(metrics)
-    facts, timings = run_facts(run, state), results.segment_timings(records)
-    step = (metrics or {}).get("step")
-    eta = progress.eta(state, timings, facts, step, now)
+    metric_name, metric = _headline_metric(last)
+    facts, timings = run_facts(run, state), metrics.segment_timings(records)
+    step = (last or {}).get("step")
+    finish = eta.eta(state, timings, facts, step, now)
     return {
         "id": run.id, "site": state["site"], "state": _display_state(run, state),
         "reason": state.get("reason", ""), "note": note,
@@ -93,22 +93,22 @@ def summary(run: Run, state: dict | None = None, note: str | None = None) -> dic
         "checkpoint_age_s": round(now - ckpt_time, 1) if ckpt_time else None, "checkpoint_time": ckpt_time,
         "used_hours": round(lifecycle.used_hours(state, now), 4), "total_hours": state["budget"].get("total_hours"),
         "metric_name": metric_name, "metric": metric, "run_dir": str(run.dir), "created": state.get("created"),
-        "eta": eta, "cost": progress.cost(state, facts, now, eta["wall_s_left"]),
-        "replaying": progress.replaying(records, state), "at_risk": progress.at_risk(records, state, ckpt_step, now),
+        "eta": finish, "cost": eta.cost(state, facts, now, finish["wall_s_left"]),
+        "replaying": eta.replaying(records, state), "at_risk": eta.at_risk(records, state, ckpt_step, now),
     }
 
 
 def goodput_of(run: Run, state: dict) -> list[dict]:
     """Each started segment's training time over its walltime (`status RUN`; not cached per row:
     a list of 1,000 runs must stay a small file)."""
-    from . import progress, results
+    from . import eta, metrics
 
-    timings = results.segment_timings(results.read_records(run.layout.metrics))
-    return progress.goodput(state, timings, run_facts(run, state), time.time())
+    timings = metrics.segment_timings(metrics.read_records(run.layout.metrics))
+    return eta.goodput(state, timings, run_facts(run, state), time.time())
 
 
 def _cache_path() -> Path:
-    from .paths import hpcrl_home
+    from ..paths import hpcrl_home
 
     return hpcrl_home() / "status-cache.json"
 
@@ -352,9 +352,9 @@ def export_line(run: Run) -> str:
 
 
 def newest_export(run: Run) -> dict | None:
-    from . import results
+    from . import metrics
 
-    recs = results.read_records(run.layout.exports)
+    recs = metrics.read_records(run.layout.exports)
     return recs[-1] if recs else None
 
 
@@ -373,9 +373,9 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 def headline_series(run: Run) -> tuple[str | None, list[float]]:
     """The headline metric of the training records, step by step (the sparkline's data)."""
-    from . import results
+    from . import metrics
 
-    recs = [r for r in results.read_records(run.layout.metrics) if results.is_train(r)]
+    recs = [r for r in metrics.read_records(run.layout.metrics) if metrics.is_train(r)]
     for key in ("reward_mean", "reward", "loss"):
         values = [r[key] for r in recs if isinstance(r.get(key), (int, float))]
         if values:
@@ -395,9 +395,9 @@ def detail_sections(run: Run, state: dict, row: dict) -> list[tuple[str, str]]:
 
 def eval_line(run: Run) -> str:
     """The evaluations of a run, before -> after: at the start, after the warm-up, the newest."""
-    from . import results
+    from . import metrics
 
-    ev = [r for r in results.read_records(run.layout.metrics)
+    ev = [r for r in metrics.read_records(run.layout.metrics)
           if str(r.get("phase") or "").startswith("eval") and isinstance(r.get("eval/reward_mean"), (int, float))]
     first = {r["phase"]: r for r in reversed(ev)}
     parts = [(first[p], text) for p, text in (("eval_before", "at the start"), ("eval_sft", "after the warm-up"))
@@ -500,7 +500,7 @@ def pick_segment(state: dict, k: int | None) -> int:
     if k is None:
         return max(0, len(started) - 1)
     if not 1 <= k <= max(1, len(started)):
-        from .errors import RunError
+        from ..errors import RunError
 
         raise RunError(f"--segment {k}: the run has {len(started)} started segment(s); use 1..{max(1, len(started))}")
     return k - 1

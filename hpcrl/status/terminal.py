@@ -1,5 +1,5 @@
 """What a terminal shows: `status` tables, `status RUN`, `sites`, `init --list` and the `logs -f`
-progress line, drawn with rich. Imported only when stdout is a terminal (piped output is report's
+progress line, drawn with rich. Imported only when stdout is a terminal (piped output is text.py's
 plain text, and rich is never loaded for it: `status | grep` starts as fast as before).
 
 Tables fit the terminal's width: no cell wraps; at 80 columns the least needed columns go (SITE,
@@ -18,7 +18,7 @@ from rich.text import Text
 # rich.table and rich.live load only for the views that use them (`status RUN`, `logs -f`):
 # the list of runs is drawn without them, to start fast
 
-from . import report
+from . import text as plain  # the plain text of the same views
 
 STATE_STYLES = {"RUNNING": "green", "CHECKPOINTING": "cyan", "RESUBMITTED": "cyan", "PENDING": "yellow",
                 "COMPLETED": "bold green", "COMPLETE": "bold green", "CONTINUE": "cyan", "FAILED": "bold red",
@@ -70,7 +70,7 @@ def status_table(rows: list[dict], out: Console | None = None) -> None:
     fewest columns do not fit beside it, each id gets a line of its own above its row. Laid out
     here and coloured with rich's styles (a rich Table costs ~1 ms a row: 1 s for 1,000 runs)."""
     out = out or console()
-    headers, cells = _narrow(report.HEADERS, [report.table_row(r) for r in rows], out.width)
+    headers, cells = _narrow(plain.HEADERS, [plain.table_row(r) for r in rows], out.width)
     while True:
         widths = _fit([max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)], headers,
                       out.width, shrink=("LAST METRIC",))
@@ -137,22 +137,22 @@ def detail(run, state: dict, row: dict, out: Console | None = None) -> None:
     cost and goodput, its segments and every path."""
     out = out or console()
     status_table([row], out)
-    name, values = report.headline_series(run)
+    name, values = plain.headline_series(run)
     if values:
-        spark = report.sparkline(values, width=max(10, min(60, out.width - 40)))
+        spark = plain.sparkline(values, width=max(10, min(60, out.width - 40)))
         out.print(Text.assemble((f"{name} ", "bold"), (spark, "cyan"),
                                 f" {values[0]:.3g} -> {values[-1]:.3g} over {len(values)} steps"))
-    for label, text in report.detail_sections(run, state, row):
+    for label, text in plain.detail_sections(run, state, row):
         out.print(Text.assemble((f"{label}: ", "bold"), text))
     out.print()
     out.print(Text("segments", style="bold"))
-    out.print(_table(report.SEG_HEADERS, report.segment_rows(state, row), shrink=("JOB", "START", "END")))
+    out.print(_table(plain.SEG_HEADERS, plain.segment_rows(state, row), shrink=("JOB", "START", "END")))
     from rich.table import Table
 
     paths = Table(box=None, show_header=False, pad_edge=False)
     paths.add_column(style="bold", no_wrap=True)
     paths.add_column(overflow="fold")
-    for label, p in report.detail_paths(run):
+    for label, p in plain.detail_paths(run):
         paths.add_row(label, str(p))
     out.print(Text("paths", style="bold"))
     out.print(paths)
@@ -172,11 +172,11 @@ def progress_text(row: dict, width: int = 80) -> Text:
     eta = row.get("eta") or {}
     total = eta.get("total_steps")
     parts = [(row["state"], STATE_STYLES.get(row["state"], "")), f"seg {row['segments']}/{row['segments_planned']}",
-             f"step {report._s(row['step'])}/{report._s(total)}"]
-    if report.is_active_row(row):
+             f"step {plain._s(row['step'])}/{plain._s(total)}"]
+    if plain.is_active_row(row):
         if eta.get("finish_time"):
             parts.append(f"ETA {time.strftime('%H:%M', time.localtime(eta['finish_time']))} "
-                         f"({report.duration(eta['eta_s'])})")
+                         f"({plain.duration(eta['eta_s'])})")
         else:
             parts.append("ETA ?")
     if row.get("metric") is not None:
@@ -195,7 +195,7 @@ def progress_text(row: dict, width: int = 80) -> Text:
 
 
 class _LiveWriter:
-    """A file-like `out` for report.follow that prints whole log lines above the live line."""
+    """A file-like `out` for plain.follow that prints whole log lines above the live line."""
 
     def __init__(self, live):
         self.live = live
@@ -214,14 +214,14 @@ def follow_with_progress(run, index: int, poll_s: float = 0.5) -> None:
     out = console()
 
     def line():
-        return progress_text(report.summary(run, run.state()), out.width)
+        return progress_text(plain.summary(run, run.state()), out.width)
 
     with Live(line(), console=out, refresh_per_second=4, transient=False, redirect_stdout=False,
               redirect_stderr=False) as live:
         def tick():
             live.update(line())
 
-        report.follow(run, index, _LiveWriter(live), follow_on=True, poll_s=poll_s, on_tick=tick)
+        plain.follow(run, index, _LiveWriter(live), follow_on=True, poll_s=poll_s, on_tick=tick)
         tick()
 
 

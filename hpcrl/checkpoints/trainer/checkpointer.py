@@ -1,4 +1,4 @@
-"""Checkpoints of the built-in trainer, sealed by hpcrl.ckptstore (manifest, rename, pointer).
+"""Checkpoints of the built-in trainer, sealed by hpcrl.checkpoints.store (manifest, rename, pointer).
 
 Files: model.safetensors (+ config and tokenizer, so a checkpoint loads with from_pretrained),
 ref.safetensors when the reference differs from the base model, optimizer.safetensors (the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .. import ckptstore
+from .. import store
 from . import parts, tensorfile
 from .tensorfile import CorruptFile
 
@@ -197,7 +197,7 @@ class Checkpointer:
     def __init__(self, ckpt_dir, keep_last: int = 3, async_save: bool = True, tokenizer=None):
         self.ckpt_dir = Path(ckpt_dir)
         self.keep_last, self.async_save, self.tokenizer = keep_last, async_save, tokenizer
-        self.store = ckptstore.CheckpointStore(self.ckpt_dir, keep_last, warn=self._warn)
+        self.store = store.CheckpointStore(self.ckpt_dir, keep_last, warn=self._warn)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict | None = None  # the last background snapshot, reused by the next
@@ -396,9 +396,9 @@ def load_common(path, ref_model=None) -> dict:
 
 
 def _manifest_files(path) -> dict:
-    manifest = ckptstore.read_manifest(path)
+    manifest = store.read_manifest(path)
     if manifest is None:
-        raise CorruptFile(f"missing or unreadable {ckptstore.MANIFEST_FILE}")
+        raise CorruptFile(f"missing or unreadable {store.MANIFEST_FILE}")
     return manifest["files"]
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import results
-from .errors import HpcrlError
-from .runs import Run
+from ..errors import HpcrlError
+from ..runs import Run
+from .metrics import EVAL_PHASES, is_train, read_records
 
 # (panel title, training key, evaluation key)
 DEFAULT_PANELS = [("reward", "reward_mean", "eval/reward_mean"), ("KL to reference", "kl", None),
@@ -35,10 +35,10 @@ def _series(records: list[dict], key: str, train: bool) -> tuple[list, list, lis
     last = {}
     for rec in records:
         if isinstance(rec.get(key), (int, float)) and isinstance(rec.get("step"), (int, float)) \
-                and results.is_train(rec) == train:
+                and is_train(rec) == train:
             last[(rec.get("phase"), rec["step"])] = rec
-    ordered = sorted(last.values(), key=lambda r: (r["step"], results.EVAL_PHASES.index(r["phase"])
-                                                   if r.get("phase") in results.EVAL_PHASES else -1))
+    ordered = sorted(last.values(), key=lambda r: (r["step"], EVAL_PHASES.index(r["phase"])
+                                                   if r.get("phase") in EVAL_PHASES else -1))
     return [r["step"] for r in ordered], [r[key] for r in ordered], [r.get("phase") for r in ordered]
 
 
@@ -72,7 +72,7 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
         import matplotlib.pyplot as plt
     except ImportError:
         raise HpcrlError("`hpcrl plot` needs matplotlib: pip install 'hpcrl[plot]'") from None
-    data = [(run, run.state(), results.read_records(run.layout.metrics)) for run in runs]
+    data = [(run, run.state(), read_records(run.layout.metrics)) for run in runs]
     panels = panels_for([d[2] for d in data], metrics)
     names = {}
     for run, _, _ in data:

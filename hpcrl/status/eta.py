@@ -1,11 +1,11 @@
 """When a run will finish and what it costs: pure functions of the run's state, its segments'
-timings (results.segment_timings) and a few numbers from its spec, on an injected clock.
+timings (metrics.segment_timings) and a few numbers from its spec, on an injected clock.
 
 The projection: the newest measured steps/s; each further segment costs what the latest segment
 that stopped for continuation with today's walltime cost (its start-up before the first step, its
 training window, its stop and save after the last step), and waits what the gaps between segments
 were on average. Every past segment is measured by what it was queued with (seg["asked"]: hours,
-nodes, GPUs; launch.asked_of), so a resume that changes them leaves the past as it was.
+nodes, GPUs; control.asked_of), so a resume that changes them leaves the past as it was.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .lifecycle import SegState, is_active, seg_state
-from .results import SegmentTiming
+from ..lifecycle import SegState, is_active, seg_state
+from .metrics import SegmentTiming
 
 
 @dataclass(frozen=True)

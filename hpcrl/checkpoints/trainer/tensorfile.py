@@ -17,7 +17,7 @@ import struct
 
 import torch
 
-from .. import ckptstore
+from .. import store
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -55,7 +55,7 @@ def write(path, tensors: dict, metadata: dict | None = None) -> dict:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    h = ckptstore.new_hasher()
+    h = store.new_hasher()
     size = 0
     with open(path, "wb") as f:
         for piece in (struct.pack("<Q", len(head)), head):
@@ -69,7 +69,7 @@ def write(path, tensors: dict, metadata: dict | None = None) -> dict:
                 f.write(chunk)
                 h.update(chunk)
             size += len(data)
-    return {ckptstore.digest_algorithm(): h.hexdigest(), "size": size}
+    return {store.digest_algorithm(): h.hexdigest(), "size": size}
 
 
 def read_header(f, hasher=None) -> tuple[dict, dict, int]:
@@ -112,8 +112,8 @@ def load(path, expected: dict | None = None, into: dict | None = None) -> tuple[
     """
     into = into or {}
     missing = set(into)
-    algo = ckptstore.entry_algorithm(expected or {})
-    h = ckptstore.new_hasher(algo) if algo else None
+    algo = store.entry_algorithm(expected or {})
+    h = store.new_hasher(algo) if algo else None
     fresh, size = {}, 0
     with open(path, "rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):  # one front-to-back pass: let the kernel read further ahead

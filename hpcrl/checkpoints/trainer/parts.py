@@ -31,7 +31,7 @@ import re
 import time
 from pathlib import Path
 
-from .. import ckptstore
+from .. import store
 from . import tensorfile
 
 MODEL_INDEX = "model.safetensors.index.json"
@@ -71,7 +71,7 @@ def write_index(directory: Path, weight_map: dict, total_size: int) -> dict:
     path = Path(directory) / MODEL_INDEX
     path.write_text(json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map},
                                indent=1, sort_keys=True))
-    return {ckptstore.digest_algorithm(): ckptstore.file_digest(path), "size": path.stat().st_size}
+    return {store.digest_algorithm(): store.file_digest(path), "size": path.stat().st_size}
 
 
 def _marker(directory: Path, rank: int) -> Path:

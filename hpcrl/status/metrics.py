@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import HpcrlError
+from ..errors import HpcrlError
 
 TRAIN_PHASES = (None, "train", "sft")  # records of a training step; evaluations have their own phase
 EVAL_PHASES = ("eval_before", "eval_sft", "eval", "eval_after")

@@ -1,4 +1,4 @@
-"""Orchestration of a run's lifecycle: the only caller of backends.
+"""The run controller: carries out a run's lifecycle; the only caller of backends.
 
 The rules live in hpcrl.lifecycle (pure, on a clock); this module gathers what they need (the
 checkpoint step from the trainer adapter, the state under the run's lock), calls them, and
@@ -35,7 +35,8 @@ from .spec import world_size
 from .stack import describe_size, gpu_check, nccl_setup, size_of
 from .trainers import get_trainer
 from .trainers.base import TrainerContext, torchrun_argv
-from .venv import build_command, requirements  # requirements: also launch.requirements for export
+from .venv import build_command, requirements
+from .venv import path_for as venv_path_for
 
 clock = time.time
 
@@ -77,7 +78,7 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
     ctx = trainer_context(resolved, run_id, layout)
     ctx.python = TRAINER_PY
     command, ranks = trainer.command(ctx), None
-    res = resolved["spec"]["resources"]
+    res, reqs, gpu = resolved["spec"]["resources"], requirements(resolved), gpu_check(site, trainer)
     if trainer.ranks is not None and world_size(res) > 1:
         ranks = backend.rank_launch(resolved)  # one torchrun per node, and where they meet
         command = [*ranks.prefix, *torchrun_argv(ctx.python, res["nodes"], res["ranks_per_node"], ranks.rendezvous,
@@ -87,12 +88,12 @@ def script_for(resolved: dict, run_id: str, run_dir: Path) -> str:
         header=backend.directives(resolved, run_id, layout), job_id_line=backend.job_id_line(),
         hpcrl_python=site.get("hpcrl_python") or sys.executable, command=command,
         trainer_env=trainer.env(ctx), bootstrap=trainer.bootstrap(ctx), forward_usr1=trainer.obeys_protocol,
-        venv=venv_path(site, requirements(resolved)), venv_prebuilt=backend.jobs_share_this_environment,
-        requirements=requirements(resolved), venv_build_command=build_command(run_id),
+        venv=venv_path(site, reqs), venv_prebuilt=backend.jobs_share_this_environment,
+        requirements=reqs, venv_build_command=build_command(run_id),
         venv_install=trainer.venv_installer(ctx), nothing_to_do=protocol.EXIT_NOTHING_TO_DO,
         exit_continue=protocol.EXIT_CONTINUE, ranks_prelude=ranks.prelude if ranks else None,
-        gpu_check=gpu_check(site, trainer), venv_size=describe_size(size_of(site, requirements(resolved))),
-        nccl=nccl_setup(site, res.get("nodes") or 1) if gpu_check(site, trainer) else None))
+        gpu_check=gpu, venv_size=describe_size(size_of(site, reqs)),
+        nccl=nccl_setup(site, res.get("nodes") or 1) if gpu else None))
 
 
 def render(resolved: dict, run_id: str | None = None) -> str:
@@ -247,7 +248,7 @@ def check_trainer_imports(resolved: dict) -> None:
     site, spec = resolved["site"], resolved["spec"]
     if not for_site(site).jobs_share_this_environment:
         return
-    venv = venv_path(site, requirements(resolved))
+    venv = venv_path_for(resolved)
     if venv:
         python = os.path.join(venv, "bin", "python")
         if not os.access(python, os.X_OK):
@@ -422,7 +423,7 @@ def segment_next_here(run_dir: str, job_id: str) -> tuple[str, int] | None:
 
 def _trained(run: Run, state: dict, job_id: str) -> bool | None:
     """Whether the segment logged a training step (its metrics records carry its number)."""
-    from .results import read_records, segment_timings
+    from .status.metrics import read_records, segment_timings
 
     seg = lifecycle.segment_by_job(state, job_id)
     if seg is None or not seg.get("k"):

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from .atomicio import atomic_write_json, atomic_write_text, fsync_dir
+from ..atomicio import atomic_write_json, atomic_write_text, fsync_dir
 
 # hashlib, shutil, tempfile and threading are imported where used: `hpcrl status` reads the
 # pointer through this module and must start fast.
