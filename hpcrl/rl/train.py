@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         report_failure(ctx, str(e))
         return 1
     except ImportError as e:  # a reward module (or what it imports) missing from this environment
-        report_failure(ctx, f"args.reward {cfg['reward']!r}: {e.__class__.__name__}: {e}; install it into the "
+        report_failure(ctx, f"args.reward {cfg.reward!r}: {e.__class__.__name__}: {e}; install it into the "
                             f"trainer's environment")
         return 2
     from ..checkpoints.trainer.checkpointer import RanksDisagree

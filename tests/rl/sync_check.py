@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from hpcrl.rl import config
 from hpcrl.rl import dist as rl_dist
 from hpcrl.rl import fsdp, policy
 from hpcrl.rl.loop import RLTrainer
@@ -54,7 +55,8 @@ def main() -> int:
         return sum(p.grad.to_local().numel() * 4 for p in model.parameters() if p.grad is not None)
 
     engine = EngineDouble(model, grads_alive)
-    trainer = types.SimpleNamespace(cfg={"rollout": "vllm", "dtype": "bfloat16"}, fsdp=True, model=model,
+    cfg = config.resolve({"rollout": "vllm", "dtype": "bfloat16"})
+    trainer = types.SimpleNamespace(cfg=cfg, fsdp=True, model=model,
                                     optimizer=opt, rollout=engine)
     RLTrainer._sync_rollout(trainer)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
