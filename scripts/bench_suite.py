@@ -3,7 +3,7 @@
 
     scripts/bench_suite.py [--hog N] [--runs K] [--repo DIR] [--out FILE]
 
-Each run clones DIR (default: this checkout's committed HEAD) into a temporary directory and runs
+Each run clones DIR (default: this checkout's committed HEAD) into ~/.cache/hpcrl-suite/ and runs
 its `.ci/run` (that is `./scripts/test`: set-up, the Slurm cluster, both phases) with N busy
 processes (`--hog`, default 0) spinning beside it for the whole run. It prints one line a run:
 wall time, exit code, pytest's summary lines, and the machine's load average at the end; with
@@ -32,7 +32,11 @@ def start_hog(n: int) -> list[subprocess.Popen]:
 
 
 def one_run(repo: Path, hog: int, log: Path) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="hpcrl-suite-"))
+    # not under /tmp: doctor rightly fails a hooks interpreter there (compute nodes do not share
+    # it), and the Slurm doctor tests use the clone's own .venv as one, as CI's clone does
+    base = Path.home() / ".cache" / "hpcrl-suite"
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=base))
     clone = work / "hpcrl"
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
     head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],

@@ -10,8 +10,10 @@ with its scheduler and may mark it STOPPED). A test that wants reconciliation ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -140,6 +142,39 @@ def last_step(run_dir: Path) -> int:
 
 
 # ---------------------------------------------------------------- checkpoints
+
+
+def trainer_pids(run_dir: Path, module: str = "hpcrl.rl.train") -> list[int]:
+    """The processes of this run that run `python -m MODULE` (found by their HPCRL_RUN_DIR; a
+    Slurm test cluster's jobs share this machine's process table)."""
+    tag = f"HPCRL_RUN_DIR={run_dir}\0".encode()
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and module.encode() in (proc / "cmdline").read_bytes() \
+                    and tag in (proc / "environ").read_bytes():
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
+@contextlib.contextmanager
+def trainer_paused(run_dir: Path, timeout: float = 60):
+    """The run's trainer held (SIGSTOP) between two steps' worth of anything: what the test does
+    meanwhile (a CLI call, slow on a loaded machine) cannot race the trainer to the run's end. A
+    signal sent to it meanwhile is delivered when it continues, as on a slow node."""
+    pids = wait_until(lambda: trainer_pids(run_dir), timeout, "the run's trainer process")
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def publish_checkpoint(ckpt_dir: Path, step: int, files: dict | None = None, keep_last: int = 3) -> Path:

@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from helpers import hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_for_step
+from helpers import hpcrl, read_metrics, run_dir, run_state, started, trainer_paused, wait_for_run, wait_for_step
 
 WALL = "0.003"  # 10.8 s per segment: USR1 at ~6.8 s (lead 4 s), deadline at ~9.3 s
 
@@ -166,7 +166,8 @@ def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_conti
     hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.05", "--name", "stp", *sets)
     rdir = run_dir("stp")
     wait_for_step(rdir, 3, timeout=240)
-    out = hpcrl("stop", "stp").stdout
+    with trainer_paused(rdir):  # the 30 tiny steps would otherwise race a slow `hpcrl stop` to the end
+        out = hpcrl("stop", "stp").stdout
     assert out.startswith("stopping run stp: its segment saves a checkpoint and exits"), out
     state = wait_for_run("stp", timeout=120)
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "user_stop", state["reason"]

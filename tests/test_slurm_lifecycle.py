@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from helpers import hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_for_step, wait_until
+from helpers import (hpcrl, read_metrics, run_dir, run_state, started, trainer_paused, wait_for_run, wait_for_step,
+                     wait_until)
 
 pytestmark = [pytest.mark.slurm]
 ONE_MIN = "0.0167"
@@ -137,7 +138,8 @@ def test_stop_saves_at_the_last_trained_step_runs_nothing_after_and_resume_conti
     hpcrl("submit", "--site", "testcluster", "--trainer", "builtin", "--hours", "0.1", "--name", "sl-stp", *sets)
     rdir = run_dir("sl-stp")
     wait_for_step(rdir, 3, timeout=300)
-    hpcrl("stop", "sl-stp")
+    with trainer_paused(rdir):  # the 30 tiny steps would otherwise race a slow `hpcrl stop` to the end
+        hpcrl("stop", "sl-stp")
     state = wait_for_run("sl-stp", timeout=180)
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "user_stop", state["reason"]
     (seg,) = started(state)

@@ -79,7 +79,7 @@ def test_real_gcloud_parses_our_argv(mode, tmp_path):
            "CLOUDSDK_CORE_DISABLE_USAGE_REPORTING": "true", "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "true"}
     others = [delete_argv(s, "hpcrl-r-1"), describe_argv(s, "hpcrl-r-1")] if mode in ("spot", "best-effort") else []
     for argv in (create_argv(s, "hpcrl-r-1", startup), *others):  # only create differs within a release track
-        proc = subprocess.run([gcloud, *argv[1:]], capture_output=True, text=True, env=env, timeout=60,
+        proc = subprocess.run([gcloud, *argv[1:]], capture_output=True, text=True, env=env, timeout=300,
                               stdin=subprocess.DEVNULL)
         if "alpha" in argv and "component" in proc.stderr.lower() and "install" in proc.stderr.lower():
             pytest.skip("gcloud's alpha component is not installed")

@@ -129,7 +129,9 @@ def test_accepted_active_deadline_resubmit_resume_done(cloud):
 
 
 def test_preempted_vm_is_deleted_recreated_and_resumes_from_the_bucket(cloud):
-    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"], "preempt_after_s": 3.0},
+    # preempted once step 10 is logged on the VM (not at a clock time: the trainer's steps sleep,
+    # so on a loaded machine a timed preemption found the run already complete)
+    cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"], "preempt_after_step": 10},
                     {"states": ["ACCEPTED", "ACTIVE"]}])
     submit("pre", "--hours", "0.05", "--set", "args.steps=45", "--set", "args.step_time_s=0.1",
            "--set", "args.save_every=5")
@@ -360,8 +362,8 @@ def test_bucket_the_submitting_account_cannot_list_is_refused(cloud, tmp_path):
     assert not cloud.calls("create") and "nob" not in hpcrl("status").stdout
 
 
-@pytest.mark.parametrize("preempt_after_s, creates", [(None, 1), (7.0, 2)], ids=["no-preemption", "one-preemption"])
-def test_recipe_budget_makes_one_create_per_vm_not_per_segment(cloud, preempt_after_s, creates):
+@pytest.mark.parametrize("preempt_after_step, creates", [(None, 1), (8, 2)], ids=["no-preemption", "one-preemption"])
+def test_recipe_budget_makes_one_create_per_vm_not_per_segment(cloud, preempt_after_step, creates):
     # maxtext-llama3.1-8b-grpo's budget (4-hour segments, 12 hours, at most 4 segments) scaled by
     # 0.0015/4 to 5-second segments; the smoke trainer stands in for MaxText, which cannot run
     # here. A TPU VM has no walltime: the segments' deadlines stop the trainer (checkpoint, exit 85)
@@ -369,7 +371,10 @@ def test_recipe_budget_makes_one_create_per_vm_not_per_segment(cloud, preempt_af
     budget = yaml.safe_load((RECIPES / "maxtext-llama3.1-8b-grpo.yaml").read_text())["budget"]
     assert (budget["hours"], budget["total_hours"], budget["max_segments"]) == (4, 12, 4)
     scale = 0.0015 / budget["hours"]
-    first = {"states": ["ACCEPTED", "ACTIVE"], **({"preempt_after_s": preempt_after_s} if preempt_after_s else {})}
+    # the preemption at step 8, after the first save (every 5): on a quiet machine in the VM's first
+    # segment of ~50 steps; under load, where start-up eats most of each 5-second segment, a few
+    # steps a segment, in its first or second
+    first = {"states": ["ACCEPTED", "ACTIVE"], **({"preempt_after_step": preempt_after_step} if preempt_after_step else {})}
     cloud.scenario([first, {"states": ["ACCEPTED", "ACTIVE"]}])
     submit("twelve", "--hours", f"{budget['hours'] * scale:g}", "--total-hours", f"{budget['total_hours'] * scale:g}",
            "--max-segments", str(budget["max_segments"]), "--set", "args.steps=100000",

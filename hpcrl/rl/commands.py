@@ -60,6 +60,9 @@ def _data_parser() -> argparse.ArgumentParser:
 
 def cmd_data(argv: list[str]) -> int:
     ns = _data_parser().parse_args(argv)
+    import pandas  # noqa: F401  (the extra first: a missing one is said before seconds of generating rows)
+    import pyarrow  # noqa: F401
+
     from . import data
 
     out = Path(ns.out).expanduser()
