@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, hpcrl, read_metrics, run_dir, run_state, started
+from helpers import ROOT, hpcrl, read_metrics, run_dir, run_state, started, wait_until
 
 FAKE = Path(__file__).resolve().parent / "fake_gcloud"
 RECIPES = ROOT / "hpcrl" / "recipes"
@@ -250,9 +250,13 @@ def test_cancel_while_running_then_resume_continues_from_the_bucket(cloud):
     watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "cr", "--interval", "0.3"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(100):
-            if (json.loads(hpcrl("status", "cr", "--json").stdout)[0]["checkpoint_step"] or 0) >= 10:
-                break
+        # running as the watcher sees it (the VM's begin mirrored), with a checkpoint in the bucket:
+        # under load the watcher's polls lag the VM, and a cancel before it saw the begin records
+        # a segment that never started (CANCELLED), not the running one this test is about
+        wait_until(lambda: run_state("cr")["segments"][0]["state"] == "RUNNING"
+                   and (json.loads(hpcrl("status", "cr", "--json").stdout)[0]["checkpoint_step"] or 0) >= 10,
+                   300, "segment 1 running with a checkpoint at step 10", poll=0.2,
+                   describe=lambda: run_state("cr")["segments"][0])
         hpcrl("cancel", "cr")
         watcher.communicate(timeout=30)
     finally:
