@@ -18,6 +18,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,8 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()),
                     help="where each run's full output goes (suite-RUN.log)")
     a = ap.parse_args()
+    # a SIGTERM (a stopped benchmark) unwinds like ^C, so that the hog is killed, not orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     worst = 0
     for k in range(1, a.runs + 1):
         r = one_run(a.repo, a.hog, a.logs / f"suite-{k}.log")
