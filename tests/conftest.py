@@ -131,7 +131,11 @@ def pytest_collection_modifyitems(config, items):
     def rank(path: str):
         name = path.rsplit("/", 1)[-1]
         first = TIERS.index(name) if name in TIERS else len(TIERS)
-        return (first, -len(by_file[path]), path)  # then as xdist would: most tests first
+        # the light files with Ray tests first: they share a Ray lock with a tier (the verl tier's
+        # local Ray, the Slurm verl run's), and taken early it is theirs before the tiers' runs,
+        # which hold it ~10 minutes each, begin; taken late, a light worker waited for them
+        ray = 0 if any(i.get_closest_marker("uses_ray") for i in by_file[path]) else 1
+        return (first, ray, -len(by_file[path]), path)  # then as xdist would: most tests first
 
     def order(path: str) -> list:  # in the tiers the slow tests first; elsewhere the file's own order
         its = by_file[path]

@@ -17,7 +17,7 @@ from hpcrl.backends.base import JobState
 from hpcrl.proc import run_command
 from hpcrl.backends.slurm import sbatch_directives
 
-from helpers import wait_for_job
+from helpers import wait_for_job, wait_until
 
 # The root conftest imports these too; importing here keeps this file runnable on its own.
 try:
@@ -94,10 +94,7 @@ def test_cancel_running_and_pending(slurm_backend, tmp_path):
     queued = slurm_backend.sbatch(_script(tmp_path, "queued", "true\n"), after=running)
     wait_for_job(slurm_backend, running, lambda i: i.state is JobState.RUNNING, timeout=30)
     pid_file = tmp_path / "sleep.pid"
-    for _ in range(20):
-        if pid_file.exists() and pid_file.read_text().strip():
-            break
-        time.sleep(0.25)
+    wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "the job's sleep to start")
     pid = int(pid_file.read_text())
 
     slurm_backend.cancel([running, queued])

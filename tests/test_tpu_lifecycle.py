@@ -169,10 +169,10 @@ def test_cancel_during_provisioning_deletes_the_queued_resource(cloud):
     watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "c", "--interval", "0.3"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(100):  # status shows what the watcher saw (it never asks gcloud itself)
-            status = json.loads(hpcrl("status", "c", "--json").stdout)[0]
-            if status["reason"].endswith("WAITING_FOR_RESOURCES"):
-                break
+        # status shows what the watcher saw (it never asks gcloud itself)
+        status = wait_until(lambda: (st := json.loads(hpcrl("status", "c", "--json").stdout)[0])["reason"]
+                            .endswith("WAITING_FOR_RESOURCES") and st, 300, "the watcher to see WAITING_FOR_RESOURCES",
+                            poll=0.2)
         assert status["state"] == "PENDING" and status["reason"] == "queued resource hpcrl-c-1: WAITING_FOR_RESOURCES"
         assert "cancelled run c" in hpcrl("cancel", "c").stdout
         out, _ = watcher.communicate(timeout=30)
@@ -434,9 +434,11 @@ def test_stop_saves_on_the_vm_runs_nothing_after_and_resume_continues(cloud):
     watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "st", "--interval", "0.3"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(300):
-            if (json.loads(hpcrl("status", "st", "--json").stdout)[0]["step"] or 0) >= 10:
-                break
+        # running as the watcher sees it, at step 10 (as the cancel test above: a fixed number of
+        # status polls ran out under a 2-process hog before the watcher saw the segment begin)
+        wait_until(lambda: run_state("st")["segments"][0]["state"] == "RUNNING"
+                   and (json.loads(hpcrl("status", "st", "--json").stdout)[0]["step"] or 0) >= 10,
+                   300, "segment 1 running at step 10", poll=0.2, describe=lambda: run_state("st")["segments"][0])
         hpcrl("stop", "st")
         out, _ = watcher.communicate(timeout=60)
     finally:
