@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The whole suite as CI runs it, timed, on a fresh clone, optionally beside a CPU hog.
 
-    scripts/bench_suite.py [--hog N] [--runs K] [--repo DIR] [--out FILE]
+    scripts/bench_suite.py [--hog N] [--runs K] [--repo DIR] [--out FILE] [--times DIR]
 
 Each run clones DIR (default: this checkout's committed HEAD) into ~/.cache/hpcrl-suite/ and runs
 its `.ci/run` (that is `./scripts/test`: set-up, the Slurm cluster, both phases) with N busy
@@ -32,7 +32,7 @@ def start_hog(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def one_run(repo: Path, hog: int, log: Path) -> dict:
+def one_run(repo: Path, hog: int, log: Path, times: Path | None = None) -> dict:
     # not under /tmp: doctor rightly fails a hooks interpreter there (compute nodes do not share
     # it), and the Slurm doctor tests use the clone's own .venv as one, as CI's clone does
     base = Path.home() / ".cache" / "hpcrl-suite"
@@ -42,12 +42,16 @@ def one_run(repo: Path, hog: int, log: Path) -> dict:
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
     head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
+    env = {**os.environ, "CI": "true"}
+    if times:  # tests/conftest.py writes each test's start and stop there (scripts/suite_times.py)
+        times.mkdir(parents=True, exist_ok=True)
+        env["HPCRL_TEST_TIMES"] = str(times)
     hogs = start_hog(hog)
     t0 = time.monotonic()
     try:
         with log.open("w") as out:
             rc = subprocess.run(["bash", ".ci/run"], cwd=clone, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "CI": "true"}).returncode
+                                env=env).returncode
     finally:
         for p in hogs:
             p.kill()
@@ -68,12 +72,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="append each run's line to this file too")
     ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()),
                     help="where each run's full output goes (suite-RUN.log)")
+    ap.add_argument("--times", type=Path,
+                    help="record each test's start and stop under DIR/run-K/ (see scripts/suite_times.py)")
     a = ap.parse_args()
     # a SIGTERM (a stopped benchmark) unwinds like ^C, so that the hog is killed, not orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     worst = 0
     for k in range(1, a.runs + 1):
-        r = one_run(a.repo, a.hog, a.logs / f"suite-{k}.log")
+        r = one_run(a.repo, a.hog, a.logs / f"suite-{k}.log", a.times / f"run-{k}" if a.times else None)
         phases = "; ".join(f"{s} in {t} s" for s, t in r["phases"]) or "no pytest summary (see the log)"
         line = (f"run {k}: commit {r['commit']}, hog {r['hog']}: rc {r['rc']}, {r['wall_s']} s "
                 f"({r['wall_s'] / 60:.1f} min); {phases}; load at end {r['load']:.1f}")

@@ -172,3 +172,19 @@ def _no_pwned():
     yield
     leaked = [str(p) for p in PWNED if p.exists()]
     assert not leaked, f"a hostile value was executed: {leaked}"
+
+
+# HPCRL_TEST_TIMES=DIR: each phase's controller appends one line a test phase to DIR/PHASE.tsv
+# (worker, start, stop, outcome, when, nodeid), from which scripts/suite_times.py draws each
+# worker's timeline and each file's wall time: what the files' order and the cost markers are
+# judged by (xdist's --durations shows only the slowest tests, not how the workers were kept busy).
+def pytest_runtest_logreport(report):
+    where = os.environ.get("HPCRL_TEST_TIMES")
+    if not where or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    phase = os.environ.get("HPCRL_TEST_PHASE") or ("quick" if _quick() else "all")
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    line = "\t".join([getattr(worker, "id", "main"), f"{report.start:.3f}", f"{report.stop:.3f}",
+                      report.outcome, report.when, report.nodeid])
+    with open(Path(where) / f"{phase}.tsv", "a", encoding="utf-8") as f:
+        f.write(line + "\n")

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Where a suite run's time went, from the per-test records tests/conftest.py writes when
+HPCRL_TEST_TIMES is set (scripts/bench_suite.py --times DIR sets it).
+
+    scripts/suite_times.py DIR [--top N]
+
+For each phase file in DIR (light.tsv, tiers.tsv): the phase's wall time, each worker's busy time
+and files in the order it ran them, and the N files with the longest wall time (first test's
+start to last test's stop). A file's wall time is what xdist's loadfile scheduling packs, so it is
+the figure the files' order and the QUICK list are judged by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(path: Path) -> list[tuple[str, float, float, str, str, str]]:
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        parts = line.split("\t")
+        if len(parts) == 6:
+            rows.append((parts[0], float(parts[1]), float(parts[2]), parts[3], parts[4], parts[5]))
+    return rows
+
+
+def report(name: str, rows: list, top: int) -> None:
+    t0 = min(r[1] for r in rows)
+    t1 = max(r[2] for r in rows)
+    files: dict[str, list[float]] = {}
+    owner: dict[str, str] = {}
+    busy: dict[str, float] = defaultdict(float)
+    for worker, start, stop, _outcome, _when, nodeid in rows:
+        f = nodeid.split("::")[0]
+        span = files.setdefault(f, [start, stop])
+        span[0], span[1] = min(span[0], start), max(span[1], stop)
+        owner[f] = worker
+        busy[worker] += stop - start
+    failed = sorted({r[5] for r in rows if r[3] == "failed"})
+    print(f"== {name}: {t1 - t0:.0f} s wall, {len(files)} files, {len(failed)} failed")
+    for worker in sorted(busy):
+        mine = sorted((s[0], f) for f, s in files.items() if owner[f] == worker)
+        last = max(files[f][1] for _, f in mine) - t0
+        print(f"  {worker}: busy {busy[worker]:.0f} s, done at {last:.0f} s, {len(mine)} files")
+    print(f"  longest files (wall s, start..stop from the phase's start, worker):")
+    for f, (s, e) in sorted(files.items(), key=lambda kv: kv[1][0] - kv[1][1])[:top]:
+        print(f"    {e - s:7.1f}  {s - t0:6.0f}..{e - t0:<6.0f} {owner[f]:5} {f}")
+    for nodeid in failed:
+        print(f"  FAILED {nodeid}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    tsvs = sorted(a.dir.glob("*.tsv"))
+    if not tsvs:
+        print(f"suite_times: no *.tsv in {a.dir} (run the suite with HPCRL_TEST_TIMES={a.dir})", file=sys.stderr)
+        return 2
+    for path in tsvs:
+        rows = load(path)
+        if rows:
+            report(path.stem, rows, a.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
