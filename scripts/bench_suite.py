@@ -46,6 +46,9 @@ def one_run(repo: Path, hog: int, log: Path, times: Path | None = None) -> dict:
     if times:  # tests/conftest.py writes each test's start and stop there (scripts/suite_times.py)
         times.mkdir(parents=True, exist_ok=True)
         env["HPCRL_TEST_TIMES"] = str(times)
+    sampler = None
+    if times:  # and where the CPU went (scripts/cpu_sampler.py), read by scripts/suite_times.py
+        sampler = subprocess.Popen([sys.executable, str(REPO / "scripts" / "cpu_sampler.py"), str(times / "sampled.tsv")])
     hogs = start_hog(hog)
     t0 = time.monotonic()
     try:
@@ -56,6 +59,9 @@ def one_run(repo: Path, hog: int, log: Path, times: Path | None = None) -> dict:
         for p in hogs:
             p.kill()
             p.wait()
+        if sampler:
+            sampler.terminate()
+            sampler.wait()
     wall = time.monotonic() - t0
     text = log.read_text(errors="replace")
     summaries = re.findall(r"^=* ?(\d+ (?:passed|failed).*?) in ([\d.]+)s", text, re.M)

@@ -52,12 +52,44 @@ def report(name: str, rows: list, top: int) -> None:
         print(f"  FAILED {nodeid}")
 
 
+def cpu_by_file(d: Path, top: int) -> None:
+    """Each file's CPU: the pytest process's own, plus the larger of its waited-for children's and
+    what scripts/cpu_sampler.py charged to its tests (the two overlap: a waited-for child is in
+    both; a segment or a Slurm job left running is only in the sampler's)."""
+    own: dict[str, float] = defaultdict(float)
+    kids: dict[str, float] = defaultdict(float)
+    sampled: dict[str, float] = defaultdict(float)
+    for path in d.glob("*-cpu.tsv"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            nodeid, o, k = line.split("\t")
+            own[nodeid] += float(o)
+            kids[nodeid] += float(k)
+    machine = ""
+    if (d / "sampled.tsv").exists():
+        for line in (d / "sampled.tsv").read_text(encoding="utf-8").splitlines():
+            if line.startswith("#"):
+                machine = line.lstrip("# ")
+            elif "\t" in line:
+                nodeid, c = line.rsplit("\t", 1)
+                sampled[nodeid] += float(c)
+    files: dict[str, list[float]] = {}
+    for nodeid in set(own) | set(sampled):
+        f = files.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0.0])
+        f[0] += own[nodeid]
+        f[1] += max(kids[nodeid], sampled[nodeid])
+    total = sum(o + c for o, c, _ in files.values())
+    print(f"== CPU by file: {total:.0f} s in all ({machine or 'no sampler record'})")
+    print("     CPU s   pytest  children  file")
+    for f, (o, c, _) in sorted(files.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:top]:
+        print(f"    {o + c:7.0f}  {o:7.0f}  {c:8.0f}  {f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    tsvs = sorted(a.dir.glob("*.tsv"))
+    tsvs = sorted(p for p in a.dir.glob("*.tsv") if not p.stem.endswith("-cpu") and p.stem != "sampled")
     if not tsvs:
         print(f"suite_times: no *.tsv in {a.dir} (run the suite with HPCRL_TEST_TIMES={a.dir})", file=sys.stderr)
         return 2
@@ -65,6 +97,8 @@ def main() -> int:
         rows = load(path)
         if rows:
             report(path.stem, rows, a.top)
+    if any(a.dir.glob("*-cpu.tsv")):
+        cpu_by_file(a.dir, a.top)
     return 0
 
 

@@ -178,6 +178,29 @@ def _no_pwned():
 # (worker, start, stop, outcome, when, nodeid), from which scripts/suite_times.py draws each
 # worker's timeline and each file's wall time: what the files' order and the cost markers are
 # judged by (xdist's --durations shows only the slowest tests, not how the workers were kept busy).
+# Each test's own CPU goes to DIR/PHASE-cpu.tsv (nodeid, the pytest process's CPU, its waited-for
+# children's): with scripts/cpu_sampler.py's figure for the processes a test leaves running
+# (segments, Slurm jobs, Ray), where the suite's CPU goes.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    where = os.environ.get("HPCRL_TEST_TIMES")
+    if not where:
+        yield
+        return
+    import resource
+
+    def cpu(who):
+        r = resource.getrusage(who)
+        return r.ru_utime + r.ru_stime
+
+    own, kids = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    yield
+    phase = os.environ.get("HPCRL_TEST_PHASE") or ("quick" if _quick() else "all")
+    line = f"{item.nodeid}\t{cpu(resource.RUSAGE_SELF) - own:.2f}\t{cpu(resource.RUSAGE_CHILDREN) - kids:.2f}\n"
+    with open(Path(where) / f"{phase}-cpu.tsv", "a", encoding="utf-8") as f:
+        f.write(line)
+
+
 def pytest_runtest_logreport(report):
     where = os.environ.get("HPCRL_TEST_TIMES")
     if not where or os.environ.get("PYTEST_XDIST_WORKER"):

@@ -144,10 +144,11 @@ def last_step(run_dir: Path) -> int:
 # ---------------------------------------------------------------- checkpoints
 
 
-def trainer_pids(run_dir: Path, module: str = "hpcrl.rl.train") -> list[int]:
+def trainer_pids(run_dir: Path, module: str = "hpcrl.rl.train", under: bool = False) -> list[int]:
     """The processes of this run that run `python -m MODULE` (found by their HPCRL_RUN_DIR; a
-    Slurm test cluster's jobs share this machine's process table)."""
-    tag = f"HPCRL_RUN_DIR={run_dir}\0".encode()
+    Slurm test cluster's jobs share this machine's process table). under=True: any run dir below
+    `run_dir` (a fake TPU VM's, whose path the VM's startup script chooses)."""
+    tag = f"HPCRL_RUN_DIR={run_dir}{'/' if under else chr(0)}".encode()
     out = []
     for proc in Path("/proc").iterdir():
         try:
@@ -160,11 +161,12 @@ def trainer_pids(run_dir: Path, module: str = "hpcrl.rl.train") -> list[int]:
 
 
 @contextlib.contextmanager
-def trainer_paused(run_dir: Path, timeout: float = 60):
+def trainer_paused(run_dir: Path, timeout: float = 60, **which):
     """The run's trainer held (SIGSTOP) between two steps' worth of anything: what the test does
     meanwhile (a CLI call, slow on a loaded machine) cannot race the trainer to the run's end. A
-    signal sent to it meanwhile is delivered when it continues, as on a slow node."""
-    pids = wait_until(lambda: trainer_pids(run_dir), timeout, "the run's trainer process")
+    signal sent to it meanwhile is delivered when it continues, as on a slow node (`pending`
+    tells when it has arrived). `which`: trainer_pids's module and under."""
+    pids = wait_until(lambda: trainer_pids(run_dir, **which), timeout, "the run's trainer process")
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -175,6 +177,16 @@ def trainer_paused(run_dir: Path, timeout: float = 60):
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether `sig` waits to be delivered to process `pid` (one held by trainer_paused)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = [int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(m >> (sig - 1) & 1 for m in masks)
 
 
 def publish_checkpoint(ckpt_dir: Path, step: int, files: dict | None = None, keep_last: int = 3) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, hpcrl, read_metrics, run_dir, run_state, started, wait_until
+from helpers import ROOT, hpcrl, pending, read_metrics, run_dir, run_state, started, trainer_paused, wait_until
 
 FAKE = Path(__file__).resolve().parent / "fake_gcloud"
 RECIPES = ROOT / "hpcrl" / "recipes"
@@ -439,7 +439,12 @@ def test_stop_saves_on_the_vm_runs_nothing_after_and_resume_continues(cloud):
         wait_until(lambda: run_state("st")["segments"][0]["state"] == "RUNNING"
                    and (json.loads(hpcrl("status", "st", "--json").stdout)[0]["step"] or 0) >= 10,
                    300, "segment 1 running at step 10", poll=0.2, describe=lambda: run_state("st")["segments"][0])
-        hpcrl("stop", "st")
+        # the 150 tiny steps would otherwise race the stop object's round trip (a CLI call, then
+        # the VM's next poll of the bucket) to the run's end, as they did once on a quiet machine
+        with trainer_paused(cloud.vm, module="hpcrl.trainers.smoke", under=True) as pids:
+            hpcrl("stop", "st")
+            wait_until(lambda: all(pending(pid, signal.SIGUSR1) for pid in pids), 120,
+                       "the VM's USR1 at the paused trainer")
         out, _ = watcher.communicate(timeout=60)
     finally:
         watcher.kill()

@@ -12,6 +12,9 @@
                 others': what one machine cannot otherwise show)
 --sampler-logp-shift X  the HF rollout reports log-probs X above the policy's own, as a sampler
                 with other kernels would (a test double of vLLM's log-probs)
+--deadline-in-s S  HPCRL_DEADLINE is set S seconds after the imports, not by the caller before
+                them: the deadline test's clock then starts once the interpreter is warm (imports
+                alone took over 40 s under the whole suite's load, and a run reached no step)
 --grads-dir D   after every optimizer step's gradient reduction (before clipping and AdamW), rank
                 0 writes the whole gradients to D/grads-STEP-K.pt (K: the step's K-th update)
 
@@ -119,6 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--save-pause-s", type=float, default=0.0)
     parser.add_argument("--eval-delay-s", type=float, default=0.0)
+    parser.add_argument("--deadline-in-s", type=float)
     parser.add_argument("--grads-dir")
     parser.add_argument("--ckpt-dir-of-rank")
     parser.add_argument("--sampler-logp-shift", type=float)
@@ -134,6 +138,16 @@ def main(argv=None) -> int:
     install(ns.step_delay_s, ns.save_pause_s, ns.eval_delay_s, ns.grads_dir)
     from hpcrl.rl import train
 
+    if ns.deadline_in_s is not None:
+        import os
+        import sys
+
+        import transformers  # noqa: F401 (the heavy import the trainer makes next, made before the clock starts)
+
+        from hpcrl import protocol
+
+        os.environ[protocol.ENV_DEADLINE] = repr(time.time() + ns.deadline_in_s)
+        print(f"hooked_train: {protocol.ENV_DEADLINE}={os.environ[protocol.ENV_DEADLINE]}", file=sys.stderr, flush=True)
     return train.main(rest)
 
 

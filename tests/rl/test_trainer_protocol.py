@@ -1,6 +1,7 @@
 """The real trainer process under the walltime protocol: real signals, deadlines, kill -9."""
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -94,10 +95,12 @@ def test_sigusr1_resume_is_exact(straight, tmp_path):
 def test_deadline_stops_and_saves_before_it(tmp_path):
     run_dir = tmp_path / "deadline"
     write_config(run_dir, total_steps=10_000, save_every=0)
-    deadline = time.time() + 40  # imports + model build: ~5-10 s quiet, 25 s and more under the suite's load
-    proc = start_trainer(run_dir, deadline=deadline, step_delay_s=0.3)
-    out, err = proc.communicate(timeout=60)
+    # the deadline is set 20 s after the trainer's imports (which alone took over 40 s under the
+    # whole suite's load, and the run reached no step): model build and a few 0.3 s steps fit
+    proc = start_trainer(run_dir, deadline_in_s=20, step_delay_s=0.3)
+    out, err = proc.communicate(timeout=300)
     ended = time.time()
+    deadline = float(re.search(r"HPCRL_DEADLINE=([\d.]+)", err).group(1))
     assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
     # HPCRL_DEADLINE is already exit_margin_s (30 s by default) before the scheduler's kill: that
     # margin is for the process's own exit. The stop decision must come before the deadline; the
