@@ -145,7 +145,10 @@ def resolve(requirements: list[str], python: str = "3.12", cache_dir: Path | Non
     uv = uv_binary()
     version = _uv_version(uv)
     overrides = [Path(o.split("=", 1)[1]).read_text(encoding="utf-8") for o in opts if o.startswith("--override=")]
-    key = hashlib.sha256("\n".join([python, platform, version, *reqs, *opts, *overrides]).encode()).hexdigest()[:20]
+    # an override file by its content, not its path: the path is the checkout's (a fresh clone, a
+    # new path), and keying by it made every clone resolve MaxText's set again (~50-160 s)
+    named = [o for o in opts if not o.startswith("--override=")]
+    key = hashlib.sha256("\n".join([python, platform, version, *reqs, *named, *overrides]).encode()).hexdigest()[:20]
     cache = Path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache and cache.is_file():
         data = json.loads(cache.read_text(encoding="utf-8"))

@@ -217,3 +217,21 @@ def test_size_table_matches_each_recipes_resolved_wheels():
         # ranges (transformers>=5.0,<5.20, ...) resolve to newer releases over time: 10% leeway
         assert SIZES[key]["recipes"] == entry["recipes"], stale
         assert abs(SIZES[key]["wheels_bytes"] - entry["wheels_bytes"]) <= 0.1 * entry["wheels_bytes"], stale
+
+
+def test_an_override_file_is_keyed_by_its_content_not_its_path(tmp_path, monkeypatch):
+    """A fresh clone puts MaxText's override file at a new path: the cached resolve still applies
+    (keyed by the path, every CI clone resolved the TPU set again, 50-160 s); new content does not."""
+    compiled = []
+    monkeypatch.setattr(rs, "_compile_plain_tags", lambda *a: (compiled.append(a), ({}, {}))[1])
+    here, there = tmp_path / "a" / "overrides.txt", tmp_path / "b" / "overrides.txt"
+    for path in (here, there):
+        path.parent.mkdir()
+        path.write_text("jax==0.7.2\n")
+    reach = lambda url: True  # noqa: E731 (nothing to substitute: only the key is under test)
+    first = rs.resolve(["maxtext==0.2.5"], cache_dir=tmp_path / "c", can_reach=reach, options=[f"--override={here}"])
+    again = rs.resolve(["maxtext==0.2.5"], cache_dir=tmp_path / "c", can_reach=reach, options=[f"--override={there}"])
+    assert (first.cached, again.cached, len(compiled)) == (False, True, 1)
+    there.write_text("jax==0.7.1\n")
+    assert not rs.resolve(["maxtext==0.2.5"], cache_dir=tmp_path / "c", can_reach=reach,
+                          options=[f"--override={there}"]).cached
