@@ -158,14 +158,14 @@ srun bash -c 'module load python; echo "task $SLURM_PROCID $(hostname) $(hostnam
 srun -w nid002 -N 1 -n 1 bash -c 'setsid sleep 300 </dev/null >/dev/null 2>&1 & echo "left $!"'
 """)
     job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
-    wait_until(lambda: _sacct("-j", job) and _sacct("-j", job)[0]["State"] == "COMPLETED", 60, f"job {job}",
+    wait_until(lambda: _sacct("-j", job) and _sacct("-j", job)[0]["State"] == "COMPLETED", 300, f"job {job}",
                poll=0.5, describe=lambda: _sacct("-j", job))
     text = out.read_text()
     addr = {n: subprocess.run(["scontrol", "show", "node", n], capture_output=True, text=True).stdout
             .split("NodeAddr=")[1].split()[0] for n in pm_cluster.nodes}
     assert f"task 0 nid001 {addr['nid001']} python/3.11" in text and f"task 1 nid002 {addr['nid002']} python/3.11" in text, text
     left = int(text.split("left ")[1].split()[0])
-    wait_until(lambda: not Path(f"/proc/{left}").exists(), 20, f"the Epilog to end the leftover process {left}")
+    wait_until(lambda: not Path(f"/proc/{left}").exists(), 120, f"the Epilog to end the leftover process {left}")
     epilog_log = Path(pm_cluster.env["HPCRL_SLURM_DIR"]) / "log" / "epilog-nid002.log"
     assert f"job {job}: ended 1 leftover process(es): {left}" in epilog_log.read_text()
 

@@ -131,18 +131,20 @@ def test_accepted_active_deadline_resubmit_resume_done(cloud):
 def test_preempted_vm_is_deleted_recreated_and_resumes_from_the_bucket(cloud):
     # preempted once step 10 is logged on the VM (not at a clock time: the trainer's steps sleep,
     # so on a loaded machine a timed preemption found the run already complete)
+    # 150 steps of 0.1 s: the fake's preempting process, starved on a loaded machine, once saw
+    # step 10 after 45 steps had ended the run
     cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"], "preempt_after_step": 10},
                     {"states": ["ACCEPTED", "ACTIVE"]}])
-    submit("pre", "--hours", "0.05", "--set", "args.steps=45", "--set", "args.step_time_s=0.1",
+    submit("pre", "--hours", "0.05", "--set", "args.steps=150", "--set", "args.step_time_s=0.1",
            "--set", "args.save_every=5")
-    rc, out = watch_until_done("pre")
+    rc, out = watch_until_done("pre", timeout=300)
     assert rc == 0, out
     state, rdir = run_state("pre"), run_dir("pre")
     assert state["state"] == "COMPLETED"
     first, second = started(state)
     assert first["job_id"] == "hpcrl-pre-1" and second["job_id"] == "hpcrl-pre-2"
-    assert 0 < first["end_step"] < 45  # the SIGTERM of the preemption made the trainer save where it was
-    assert_resumed_exactly(state, 45, rdir)
+    assert 0 < first["end_step"] < 150  # the SIGTERM of the preemption made the trainer save where it was
+    assert_resumed_exactly(state, 150, rdir)
     assert "TERM (preemption or deletion)" in (rdir / "logs" / "job-hpcrl-pre-1.log").read_text()
     record = json.loads((rdir / ".tpu" / "hpcrl-pre-1.json").read_text())
     assert record["outcome"] == "preempted"
@@ -257,8 +259,13 @@ def test_cancel_while_running_then_resume_continues_from_the_bucket(cloud):
                    and (json.loads(hpcrl("status", "cr", "--json").stdout)[0]["checkpoint_step"] or 0) >= 10,
                    300, "segment 1 running with a checkpoint at step 10", poll=0.2,
                    describe=lambda: run_state("cr")["segments"][0])
-        hpcrl("cancel", "cr")
-        watcher.communicate(timeout=30)
+        # the 150 tiny steps would otherwise race a slow `hpcrl cancel` to the run's end (they did
+        # on a quiet machine once): the VM's trainer is held until the deletion's TERM is pending
+        with trainer_paused(cloud.vm, module="hpcrl.trainers.smoke", under=True) as pids:
+            hpcrl("cancel", "cr")
+            wait_until(lambda: all(pending(pid, signal.SIGTERM) for pid in pids), 120,
+                       "the VM deletion's TERM at the paused trainer")
+        watcher.communicate(timeout=60)
     finally:
         watcher.kill()
     state = run_state("cr")

@@ -78,7 +78,7 @@ def test_fork_bomb_is_contained_and_gone():
             "def f(): return 1")
     res = _score(code)
     assert res.score == 0.0
-    wait_until(lambda: not _procs_with(token), 5, "fork bomb processes gone")
+    wait_until(lambda: not _procs_with(token), 60, "fork bomb processes gone")
 
 
 def test_memory_hog_fails():
@@ -191,7 +191,7 @@ def test_child_left_running_is_gone_afterwards():
             "def f(): return 2")
     res = _score(code)
     assert res.score == 0.0
-    wait_until(lambda: not _procs_with(token), 5, "children of the sample gone")
+    wait_until(lambda: not _procs_with(token), 60, "children of the sample gone")
 
 
 def test_segfault_is_a_crash():
@@ -241,7 +241,7 @@ def _alive(pid):
 def test_fork_server_killed_between_calls_is_restarted(mode):
     pid = _server_pid(mode)
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not _alive(pid), 5, "fork server dead")
+    wait_until(lambda: not _alive(pid), 60, "fork server dead")
     assert _score("def f(): return 1").score == 1.0
     assert sandbox._SERVER.proc.pid != pid and _alive(sandbox._SERVER.proc.pid)
 
@@ -263,14 +263,14 @@ def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypa
     # the warm-up sample's child can linger a moment after its result (the server reaps it
     # later); a kill then would land before this sample was sent, and the call would just
     # restart the server (seen under load in CI)
-    wait_until(lambda: not children.read_text().split(), 5, "the warm-up sample reaped")
+    wait_until(lambda: not children.read_text().split(), 60, "the warm-up sample reaped")
     t = threading.Thread(target=lambda: results.append(_score(code, limits=slow)))
     t.start()
-    wait_until(lambda: children.read_text().split(), 5, "the server forked the sample")
+    wait_until(lambda: children.read_text().split(), 60, "the server forked the sample")
     sample = [int(c) for c in children.read_text().split()]
     os.kill(pid, signal.SIGKILL)
     # the forked sample dies with the server (PDEATHSIG, down to its pid 1 and namespace)...
-    wait_until(lambda: not any(map(_alive, sample)), 5, "the forked sample gone with the server")
+    wait_until(lambda: not any(map(_alive, sample)), 60, "the forked sample gone with the server")
     t.join(60)
     # ...and the call reran it through the spawn path instead of scoring a crash
     assert results and results[0].score == 1.0, results
@@ -328,7 +328,7 @@ def test_fork_server_outlives_the_pool_threads_and_leaves_with_the_trainer(mode,
     assert _alive(server)
     trainer.kill()
     trainer.wait()
-    wait_until(lambda: not _alive(server), 5, "the fork server gone with its trainer")
+    wait_until(lambda: not _alive(server), 60, "the fork server gone with its trainer")
 
 
 @fork_only
