@@ -2,12 +2,13 @@
 """Where a suite run's time went, from the per-test records tests/conftest.py writes when
 HPCRL_TEST_TIMES is set (scripts/bench_suite.py --times DIR sets it).
 
-    scripts/suite_times.py DIR [--top N]
+    scripts/suite_times.py DIR [--top N] [--write-seconds tests/file_seconds.txt]
 
 For each phase file in DIR (light.tsv, tiers.tsv): the phase's wall time, each worker's busy time
 and files in the order it ran them, and the N files with the longest wall time (first test's
 start to last test's stop). A file's wall time is what xdist's loadfile scheduling packs, so it is
-the figure the files' order and the QUICK list are judged by.
+the figure the files' order and the QUICK list are judged by. --write-seconds writes each file's
+wall time as tests/conftest.py reads it to hand the longest files to the workers first.
 """
 
 from __future__ import annotations
@@ -84,10 +85,23 @@ def cpu_by_file(d: Path, top: int) -> None:
         print(f"    {o + c:7.0f}  {o:7.0f}  {c:8.0f}  {f}")
 
 
+def file_seconds(d: Path) -> dict[str, float]:
+    """Each file's wall time (first start to last stop) across the phase files in `d`."""
+    spans: dict[str, list[float]] = {}
+    for path in d.glob("*.tsv"):
+        if path.stem.endswith("-cpu") or path.stem == "sampled":
+            continue
+        for _w, start, stop, _o, _when, nodeid in load(path):
+            span = spans.setdefault(nodeid.split("::")[0], [start, stop])
+            span[0], span[1] = min(span[0], start), max(span[1], stop)
+    return {f: e - s for f, (s, e) in spans.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--write-seconds", type=Path, help="write each file's wall seconds there (tests/file_seconds.txt)")
     a = ap.parse_args()
     tsvs = sorted(p for p in a.dir.glob("*.tsv") if not p.stem.endswith("-cpu") and p.stem != "sampled")
     if not tsvs:
@@ -99,6 +113,11 @@ def main() -> int:
             report(path.stem, rows, a.top)
     if any(a.dir.glob("*-cpu.tsv")):
         cpu_by_file(a.dir, a.top)
+    if a.write_seconds:
+        head = ("# Each test file's wall time in one full suite run (scripts/suite_times.py --write-seconds):\n"
+                "# tests/conftest.py hands the longest files to the workers first. Relative figures only.\n")
+        rows = sorted(file_seconds(a.dir).items(), key=lambda kv: (-kv[1], kv[0]))
+        a.write_seconds.write_text(head + "".join(f"{sec:.0f} {f.removeprefix('tests/')}\n" for f, sec in rows))
     return 0
 
 

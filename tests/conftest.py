@@ -79,6 +79,26 @@ NOT_QUICK_MARKERS = ("slow", "slurm", "uses_ray", "stops_slurmctld")
 TESTS_DIR = Path(__file__).resolve().parent
 
 
+FILE_SECONDS = TESTS_DIR / "file_seconds.txt"  # scripts/suite_times.py --write-seconds
+
+
+def _file_seconds() -> dict[str, float]:
+    """Each test file's wall time in a measured full run (path relative to tests/ -> seconds)."""
+    out = {}
+    try:
+        lines = FILE_SECONDS.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(None, 1)
+        if len(parts) == 2 and not line.startswith("#"):
+            try:
+                out[parts[1].strip()] = float(parts[0])
+            except ValueError:
+                continue
+    return out
+
+
 def _in_tiers(path: str) -> bool:
     return path.rsplit("/", 1)[-1] in TIERS
 
@@ -128,6 +148,8 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=dropped)
         by_file = {path: its for path, its in by_file.items() if _in_tiers(path) == (phase == "tiers")}
 
+    seconds = _file_seconds()
+
     def rank(path: str):
         name = path.rsplit("/", 1)[-1]
         first = TIERS.index(name) if name in TIERS else len(TIERS)
@@ -135,7 +157,11 @@ def pytest_collection_modifyitems(config, items):
         # local Ray, the Slurm verl run's), and taken early it is theirs before the tiers' runs,
         # which hold it ~10 minutes each, begin; taken late, a light worker waited for them
         ray = 0 if any(i.get_closest_marker("uses_ray") for i in by_file[path]) else 1
-        return (first, ray, -len(by_file[path]), path)  # then as xdist would: most tests first
+        # then the longest first (FILE_SECONDS; a file not measured yet counts as long, 600 s), so
+        # that the last file a worker takes is a short one: sorted by number of tests, as xdist
+        # does, test_dist.py (19 tests, ~900 s) started a third of the way in and ended last
+        rel = path.removeprefix("tests/")
+        return (first, ray, -seconds.get(rel, 600.0), -len(by_file[path]), path)
 
     def order(path: str) -> list:  # in the tiers the slow tests first; elsewhere the file's own order
         its = by_file[path]

@@ -74,3 +74,18 @@ def test_pytest_collects_only_quick_files_and_nothing_marked_slow_slurm_or_ray()
     assert rc == 5 and not ids, f"marked tests in the inner loop: {sorted(set(ids))}"
     rc, ids = _collect("tests/rl/test_code_tiny.py", "-m", slow, quick=False)
     assert rc == 0 and ids, "the markers select tests outside the inner loop (else the check above proves nothing)"
+
+
+def test_the_measured_file_times_name_files_that_exist_and_order_the_longest_first():
+    """tests/file_seconds.txt (scripts/suite_times.py --write-seconds) orders the full suite's files
+    for the workers: an entry for a renamed file would silently stop counting."""
+    seconds = _top._file_seconds()
+    assert len(seconds) > 20, "tests/file_seconds.txt is missing or unreadable"
+    missing = [rel for rel in seconds if not (TESTS_DIR / rel).is_file()]
+    assert not missing, f"tests/file_seconds.txt names files that do not exist: {missing}"
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/rl/test_dist.py", "tests/test_cli.py", "tests/test_protocol.py"],
+                         cwd=ROOT, env={**os.environ, "HPCRL_TEST_PHASE": "light"}, capture_output=True, text=True)
+    files = list(dict.fromkeys(ln.split("::")[0] for ln in out.stdout.splitlines() if "::" in ln))
+    # test_cli has more tests than test_dist, which is longer: xdist's own order would be reversed
+    assert files == sorted(files, key=lambda f: -seconds[f.removeprefix("tests/")]), files
