@@ -158,7 +158,9 @@ srun bash -c 'module load python; echo "task $SLURM_PROCID $(hostname) $(hostnam
 srun -w nid002 -N 1 -n 1 bash -c 'setsid sleep 300 </dev/null >/dev/null 2>&1 & echo "left $!"'
 """)
     job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
-    wait_until(lambda: _sacct("-j", job) and _sacct("-j", job)[0]["State"] == "COMPLETED", 300, f"job {job}",
+    # both nodes at once: it may queue behind the tiers' Slurm verl run, whose segments hold the
+    # nodes ~10 minutes (300 s ran out once with the job PENDING)
+    wait_until(lambda: _sacct("-j", job) and _sacct("-j", job)[0]["State"] == "COMPLETED", 1500, f"job {job}",
                poll=0.5, describe=lambda: _sacct("-j", job))
     text = out.read_text()
     addr = {n: subprocess.run(["scontrol", "show", "node", n], capture_output=True, text=True).stdout

@@ -5,6 +5,7 @@ through a deadline, a preemption (SIGTERM + SUSPENDED) and a resume from the buc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -89,6 +90,33 @@ def watch_until_done(name: str, timeout: float = 90) -> tuple[int, str]:
     proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "watch", name, "--interval", "0.3"],
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def vm_step(cloud: Cloud) -> int:
+    """The last step the VM's trainer logged on the VM's own disk (the bucket's copy lags it)."""
+    best = 0
+    for path in cloud.vm.glob("**/metrics.jsonl"):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            try:
+                best = max(best, json.loads(line).get("step", 0))
+                break
+            except ValueError:
+                continue
+    return best
+
+
+@contextlib.contextmanager
+def vm_trainer_held_after(cloud: Cloud, step: int):
+    """The VM's trainer held (SIGSTOP) as soon as it has logged `step` on the VM's disk, until the
+    block ends. 150 steps of 0.1 s otherwise raced what a test does next: waiting for the watcher
+    to see them (status calls, slow on a loaded machine) and then a CLI call (stop, cancel)."""
+    wait_until(lambda: vm_step(cloud) >= step, 300, f"step {step} on the VM", poll=0.05)
+    with trainer_paused(cloud.vm, module="hpcrl.trainers.smoke", under=True) as pids:
+        yield pids
 
 
 def assert_resumed_exactly(state: dict, total: int, rdir: Path) -> None:
@@ -221,19 +249,22 @@ def test_secrets_reach_the_vm_through_the_bucket_only(cloud, home):
 
 def test_logs_follow_reads_the_bucket_copy_with_hostile_vm_path_and_odd_run_name(cloud, monkeypatch):
     # every path on the VM goes through the one quoting function; nothing injected runs (conftest checks).
-    # 60 steps of 0.1 s cannot fit one 5.4 s segment, however fast the machine: the log must span two.
+    # 200 steps of 0.1 s cannot fit one 14.4 s segment, however fast the machine: the log must span
+    # two (5.4 s segments, a loaded machine's start-up took most of each)
     hostile_root = str(cloud.vm / "vm root $(touch /tmp/PWNED-hpcrl) 'q'")
     monkeypatch.setenv("HPCRL_TPU_VM_ROOT", hostile_root)  # the fake's "VM disk"
     site_file = Path(os.environ["HPCRL_SITES_DIR"]) / "tputest.yaml"
     site_file.write_text(re.sub(r"(?m)^vm_root: .*$", f"vm_root: {json.dumps(hostile_root)}", site_file.read_text()))
     cloud.scenario([{"states": ["ACCEPTED", "ACTIVE"]}])
-    submit("Odd_Run.v2", "--hours", "0.0015", "--set", "args.steps=60", "--set", "args.step_time_s=0.1",
+    submit("Odd_Run.v2", "--hours", "0.004", "--set", "args.steps=200", "--set", "args.step_time_s=0.1",
            "--set", "args.save_every=1000")
+    # (a bound, not a pace: a loaded machine's segments start slowly and make few steps each; 90 s
+    # ran out once)
     proc = subprocess.run([sys.executable, "-m", "hpcrl.cli", "logs", "Odd_Run.v2", "-f", "--interval", "0.3"],
-                          capture_output=True, text=True, timeout=90)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "smoke: segment 1 starts at step 0 of 60" in out and "smoke: segment 2 starts at step" in out
+    assert "smoke: segment 1 starts at step 0 of 200" in out and "smoke: segment 2 starts at step" in out
     assert out.rstrip().endswith("hpcrl: the run needs no more segments; deleting queued resource " +
                                  run_state("Odd_Run.v2")["segments"][0]["job_id"])
     state = run_state("Odd_Run.v2")
@@ -252,20 +283,19 @@ def test_cancel_while_running_then_resume_continues_from_the_bucket(cloud):
     watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "cr", "--interval", "0.3"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # running as the watcher sees it (the VM's begin mirrored), with a checkpoint in the bucket:
-        # under load the watcher's polls lag the VM, and a cancel before it saw the begin records
-        # a segment that never started (CANCELLED), not the running one this test is about
-        wait_until(lambda: run_state("cr")["segments"][0]["state"] == "RUNNING"
-                   and (json.loads(hpcrl("status", "cr", "--json").stdout)[0]["checkpoint_step"] or 0) >= 10,
-                   300, "segment 1 running with a checkpoint at step 10", poll=0.2,
-                   describe=lambda: run_state("cr")["segments"][0])
-        # the 150 tiny steps would otherwise race a slow `hpcrl cancel` to the run's end (they did
-        # on a quiet machine once): the VM's trainer is held until the deletion's TERM is pending
-        with trainer_paused(cloud.vm, module="hpcrl.trainers.smoke", under=True) as pids:
+        # held past step 11 (the checkpoint of step 10 written), until the deletion's TERM is pending
+        with vm_trainer_held_after(cloud, 11) as pids:
+            # running as the watcher sees it (the VM's begin mirrored), with a checkpoint in the
+            # bucket: under load the watcher's polls lag the VM, and a cancel before it saw the
+            # begin records a segment that never started (CANCELLED), not the running one
+            wait_until(lambda: run_state("cr")["segments"][0]["state"] == "RUNNING"
+                       and (json.loads(hpcrl("status", "cr", "--json").stdout)[0]["checkpoint_step"] or 0) >= 10,
+                       300, "segment 1 running with a checkpoint at step 10", poll=0.2,
+                       describe=lambda: run_state("cr")["segments"][0])
             hpcrl("cancel", "cr")
             wait_until(lambda: all(pending(pid, signal.SIGTERM) for pid in pids), 120,
                        "the VM deletion's TERM at the paused trainer")
-        watcher.communicate(timeout=60)
+        watcher.communicate(timeout=120)
     finally:
         watcher.kill()
     state = run_state("cr")
@@ -441,18 +471,18 @@ def test_stop_saves_on_the_vm_runs_nothing_after_and_resume_continues(cloud):
     watcher = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "watch", "st", "--interval", "0.3"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # running as the watcher sees it, at step 10 (as the cancel test above: a fixed number of
-        # status polls ran out under a 2-process hog before the watcher saw the segment begin)
-        wait_until(lambda: run_state("st")["segments"][0]["state"] == "RUNNING"
-                   and (json.loads(hpcrl("status", "st", "--json").stdout)[0]["step"] or 0) >= 10,
-                   300, "segment 1 running at step 10", poll=0.2, describe=lambda: run_state("st")["segments"][0])
-        # the 150 tiny steps would otherwise race the stop object's round trip (a CLI call, then
-        # the VM's next poll of the bucket) to the run's end, as they did once on a quiet machine
-        with trainer_paused(cloud.vm, module="hpcrl.trainers.smoke", under=True) as pids:
+        # held past step 10 until the VM's USR1 is pending: the stop object's round trip (a CLI
+        # call, then the VM's next poll of the bucket) raced the 150 steps to the end once
+        with vm_trainer_held_after(cloud, 10) as pids:
+            # running as the watcher sees it, at step 10 (as the cancel test above: a fixed number
+            # of status polls ran out under a 2-process hog before the watcher saw the segment begin)
+            wait_until(lambda: run_state("st")["segments"][0]["state"] == "RUNNING"
+                       and (json.loads(hpcrl("status", "st", "--json").stdout)[0]["step"] or 0) >= 10,
+                       300, "segment 1 running at step 10", poll=0.2, describe=lambda: run_state("st")["segments"][0])
             hpcrl("stop", "st")
             wait_until(lambda: all(pending(pid, signal.SIGUSR1) for pid in pids), 120,
                        "the VM's USR1 at the paused trainer")
-        out, _ = watcher.communicate(timeout=60)
+        out, _ = watcher.communicate(timeout=120)
     finally:
         watcher.kill()
     state = run_state("st")
