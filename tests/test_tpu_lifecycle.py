@@ -317,20 +317,23 @@ def test_resume_with_new_hours_changes_the_next_segments_length(cloud):
     # state.json's budget is the one record of a segment's hours: the next VM's startup script
     # (rendered at create time from it) must use the new value, not spec.json's.
     cloud.scenario([{"states": ["ACCEPTED", "WAITING_FOR_RESOURCES"]}, {"states": ["ACTIVE"]}])
-    submit("rh", "--hours", "0.05", "--set", "args.steps=30", "--set", "args.step_time_s=0.1",
+    # 250 steps of 0.1 s in 18 s segments: two at least, however fast the machine (30 steps in
+    # 5.4 s segments needed start-up to be slow, and under a loaded one's start-up no segment got
+    # far enough)
+    submit("rh", "--hours", "0.05", "--set", "args.steps=250", "--set", "args.step_time_s=0.1",
            "--set", "args.save_every=1000")
     rdir = run_dir("rh")
     assert "segment_s=180\n" in (rdir / ".tpu" / "hpcrl-rh-1.startup.sh").read_text()
     hpcrl("cancel", "rh")
-    hpcrl("resume", "rh", "--hours", "0.0015")
-    assert "segment_s=5\n" in (rdir / ".tpu" / "hpcrl-rh-2.startup.sh").read_text()
-    rc, log = watch_until_done("rh")
+    hpcrl("resume", "rh", "--hours", "0.005")
+    assert "segment_s=18\n" in (rdir / ".tpu" / "hpcrl-rh-2.startup.sh").read_text()
+    rc, log = watch_until_done("rh", timeout=600)
     assert rc == 0, log
     state = run_state("rh")
     ran = started(state)
-    assert state["state"] == "COMPLETED" and len(ran) >= 2, "3 s of training cannot fit one 5 s segment"
-    assert ran[0]["ended"] - ran[0]["started"] < 6, "the first resumed segment ran for the new hours"
-    assert_resumed_exactly(state, 30, rdir)
+    assert state["state"] == "COMPLETED" and len(ran) >= 2, "25 s of training cannot fit one 18 s segment"
+    assert ran[0]["ended"] - ran[0]["started"] < 19, "the first resumed segment ran for the new hours"
+    assert_resumed_exactly(state, 250, rdir)
 
 
 BUCKET_FIX = "roles/storage.objectAdmin on gs://fake-bucket"

@@ -12,9 +12,10 @@
                 others': what one machine cannot otherwise show)
 --sampler-logp-shift X  the HF rollout reports log-probs X above the policy's own, as a sampler
                 with other kernels would (a test double of vLLM's log-probs)
---deadline-in-s S  HPCRL_DEADLINE is set S seconds after the imports, not by the caller before
-                them: the deadline test's clock then starts once the interpreter is warm (imports
-                alone took over 40 s under the whole suite's load, and a run reached no step)
+--deadline-in-s S  the deadline is S seconds after the first step begins, not a time the caller
+                chose before the process started: the deadline test's clock starts once the
+                trainer is ready (imports, model and data took over 40 s, and then over 20 s
+                past the imports, under the whole suite's load beside a hog: no step was reached)
 --grads-dir D   after every optimizer step's gradient reduction (before clipping and AdamW), rank
                 0 writes the whole gradients to D/grads-STEP-K.pt (K: the step's K-th update)
 
@@ -117,6 +118,27 @@ def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0, eval_delay_s: 
         rollout.HFRollout.generate = slow_eval(rollout.HFRollout.generate)
 
 
+def deadline_from_first_step(seconds: float) -> None:
+    """The trainer's deadline (ctx.deadline, which every stop check reads afresh) set when its
+    first step, warm-up or RL, begins; printed for the test as HPCRL_DEADLINE=T on stderr."""
+    import sys
+
+    from hpcrl import protocol
+    from hpcrl.rl.loop import RLTrainer
+
+    def first_sets_it(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            if not self.__dict__.get("_hooked_deadline"):
+                self._hooked_deadline = self.ctx.deadline = time.time() + seconds
+                print(f"hooked_train: {protocol.ENV_DEADLINE}={self.ctx.deadline!r}", file=sys.stderr, flush=True)
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    RLTrainer._sft_step = first_sets_it(RLTrainer._sft_step)
+    RLTrainer._rl_step = first_sets_it(RLTrainer._rl_step)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hooked_train.py", add_help=False)
     parser.add_argument("--step-delay-s", type=float, default=0.0)
@@ -139,15 +161,7 @@ def main(argv=None) -> int:
     from hpcrl.rl import train
 
     if ns.deadline_in_s is not None:
-        import os
-        import sys
-
-        import transformers  # noqa: F401 (the heavy import the trainer makes next, made before the clock starts)
-
-        from hpcrl import protocol
-
-        os.environ[protocol.ENV_DEADLINE] = repr(time.time() + ns.deadline_in_s)
-        print(f"hooked_train: {protocol.ENV_DEADLINE}={os.environ[protocol.ENV_DEADLINE]}", file=sys.stderr, flush=True)
+        deadline_from_first_step(ns.deadline_in_s)
     return train.main(rest)
 
 
