@@ -41,7 +41,6 @@ echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hos
 
 # Environment (spec and site; secrets are never written here: they come from the submitting
 # shell's environment)
-export OMP_WAIT_POLICY=PASSIVE
 export HF_HUB_OFFLINE=1
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false

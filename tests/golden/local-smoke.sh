@@ -38,11 +38,6 @@ if [ "${need_successor:-0}" = 1 ]; then
 fi
 echo "hpcrl: run $HPCRL_RUN_ID segment $HPCRL_SEGMENT job $HPCRL_JOB_ID on $(hostname) deadline $(date -d "@${HPCRL_DEADLINE%.*}" '+%F %T')"
 
-
-# Environment (spec and site; secrets are never written here: they come from the submitting
-# shell's environment)
-export OMP_WAIT_POLICY=PASSIVE
-
 trainer_py="$hpcrl_py"
 
 
