@@ -19,6 +19,11 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def phase_files(d: Path) -> list[Path]:
+    """The phases' timeline files in `d` (not the CPU records beside them)."""
+    return sorted(p for p in d.glob("*.tsv") if not p.stem.endswith("-cpu") and p.stem != "sampled")
+
+
 def load(path: Path) -> list[tuple[str, float, float, str, str, str]]:
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -88,9 +93,7 @@ def cpu_by_file(d: Path, top: int) -> None:
 def file_seconds(d: Path) -> dict[str, float]:
     """Each file's wall time (first start to last stop) across the phase files in `d`."""
     spans: dict[str, list[float]] = {}
-    for path in d.glob("*.tsv"):
-        if path.stem.endswith("-cpu") or path.stem == "sampled":
-            continue
+    for path in phase_files(d):
         for _w, start, stop, _o, _when, nodeid in load(path):
             span = spans.setdefault(nodeid.split("::")[0], [start, stop])
             span[0], span[1] = min(span[0], start), max(span[1], stop)
@@ -103,7 +106,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--write-seconds", type=Path, help="write each file's wall seconds there (tests/file_seconds.txt)")
     a = ap.parse_args()
-    tsvs = sorted(p for p in a.dir.glob("*.tsv") if not p.stem.endswith("-cpu") and p.stem != "sampled")
+    tsvs = phase_files(a.dir)
     if not tsvs:
         print(f"suite_times: no *.tsv in {a.dir} (run the suite with HPCRL_TEST_TIMES={a.dir})", file=sys.stderr)
         return 2

@@ -207,6 +207,10 @@ def _no_pwned():
 # Each test's own CPU goes to DIR/PHASE-cpu.tsv (nodeid, the pytest process's CPU, its waited-for
 # children's): with scripts/cpu_sampler.py's figure for the processes a test leaves running
 # (segments, Slurm jobs, Ray), where the suite's CPU goes.
+def _phase_name() -> str:
+    return os.environ.get("HPCRL_TEST_PHASE") or ("quick" if _quick() else "all")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     where = os.environ.get("HPCRL_TEST_TIMES")
@@ -221,9 +225,8 @@ def pytest_runtest_protocol(item, nextitem):
 
     own, kids = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
     yield
-    phase = os.environ.get("HPCRL_TEST_PHASE") or ("quick" if _quick() else "all")
     line = f"{item.nodeid}\t{cpu(resource.RUSAGE_SELF) - own:.2f}\t{cpu(resource.RUSAGE_CHILDREN) - kids:.2f}\n"
-    with open(Path(where) / f"{phase}-cpu.tsv", "a", encoding="utf-8") as f:
+    with open(Path(where) / f"{_phase_name()}-cpu.tsv", "a", encoding="utf-8") as f:
         f.write(line)
 
 
@@ -231,9 +234,8 @@ def pytest_runtest_logreport(report):
     where = os.environ.get("HPCRL_TEST_TIMES")
     if not where or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    phase = os.environ.get("HPCRL_TEST_PHASE") or ("quick" if _quick() else "all")
     worker = getattr(getattr(report, "node", None), "gateway", None)
     line = "\t".join([getattr(worker, "id", "main"), f"{report.start:.3f}", f"{report.stop:.3f}",
                       report.outcome, report.when, report.nodeid])
-    with open(Path(where) / f"{phase}.tsv", "a", encoding="utf-8") as f:
+    with open(Path(where) / f"{_phase_name()}.tsv", "a", encoding="utf-8") as f:
         f.write(line + "\n")
