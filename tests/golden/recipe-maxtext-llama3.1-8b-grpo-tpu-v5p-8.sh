@@ -243,9 +243,14 @@ if [ -n "$venv_root" ]; then
       until compgen -G "$venv_root/*/.hpcrl-ready" >/dev/null; do sleep "$HPCRL_SYNC_S"; done
       touch "$venv_root.packing"
       t0=$SECONDS
-      tar -c $venv_zip -C "$venv_root" --exclude='*.lock' . | gs cp - "$venv_obj" >/dev/null 2>&1 &&
-        date +%s | gs cp - "$venv_uri.ok" >/dev/null 2>&1 &&
-        echo "hpcrl: venvs packed into $venv_obj in $((SECONDS - t0)) s" || echo "hpcrl: could not pack the venvs"
+      # The line is written before venv.ok: a preemption can follow venv.ok at once, and the TERM
+      # it sends every process here would otherwise cut it (a complete pack the log never named).
+      if tar -c $venv_zip -C "$venv_root" --exclude='*.lock' . | gs cp - "$venv_obj" >/dev/null 2>&1; then
+        echo "hpcrl: venvs packed into $venv_obj in $((SECONDS - t0)) s"
+        date +%s | gs cp - "$venv_uri.ok" >/dev/null 2>&1 || echo "hpcrl: could not mark the venv pack complete; a later VM rebuilds"
+      else
+        echo "hpcrl: could not pack the venvs"
+      fi
     ) &
     packer=$!
   fi
