@@ -117,6 +117,16 @@ def run_dir(run_id: str) -> Path:
     return Run.by_id(run_id).dir
 
 
+def log_tails(run_dir: Path, lines: int = 15) -> str:
+    """The last lines of each segment's job log: what an assertion on a run's segments prints,
+    so that a failure in CI (where the run directory is gone afterwards) says why."""
+    out = []
+    for log in sorted((run_dir / "logs").glob("job-*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n".join(out) or f"(no job logs under {run_dir / 'logs'})"
+
+
 def run_state(run_id: str) -> dict:
     from hpcrl.runs import Run
 

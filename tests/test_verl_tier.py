@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, hpcrl, wait_for_run
+from helpers import ROOT, hpcrl, log_tails, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.uses_ray]
 DOUBLE_DIR = ROOT / "tests" / "verl_cpu"
@@ -60,6 +60,8 @@ TINY_ARGS = {
     "logger": "console", "max_ckpt_to_keep": 2, "val_batch_size": None,
 }
 STEPS_PER_EPOCH = 16
+# seconds each training step waits on the driver in the walltime tests (see the CPU double)
+STEP_DELAY_S = 2
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +88,8 @@ def tiny(tmp_path_factory):
     return out
 
 
-def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_segments=4, overrides=(), check=True):
+def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_segments=4, overrides=(), check=True,
+           env=None):
     spec = tmp_path / f"{name}.yaml"
     hpcrl("init", "--recipe", recipe, "--out", spec)
     sets = {"site.trainer_python": verl_python, "args.model": tiny / "model",
@@ -95,7 +98,7 @@ def submit(name, recipe, verl_python, tiny, tmp_path, hours, args: dict, max_seg
             "budget.hours_min": "null", "env.RAY_TMPDIR": f"/tmp/hpcrl-vt-{os.getpid()}-{name}",
             "args.overrides": json.dumps(CPU_OVERRIDES + list(overrides))}
     sets.update({f"args.{k}": ("null" if v is None else v) for k, v in {**TINY_ARGS, **args}.items()})
-    sets.update({f"env.{k}": v for k, v in CPU_ENV.items()})
+    sets.update({f"env.{k}": v for k, v in {**CPU_ENV, **(env or {})}.items()})
     argv = ["submit", spec, "--site", "local", "--name", name, "--hours", hours, "--total-hours", "2",
             "--max-segments", max_segments]
     for k, v in sets.items():
@@ -145,28 +148,28 @@ def test_ppo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, 
 
     # PPO (GAE): the critic trains and is saved and restored beside the actor. (GRPO across
     # deadlines, chained by hpcrl itself: test_verl_tier_slurm.py; GRPO killed: below.)
-    # Segment 1 has 4.8 minutes for 384 steps (24 epochs): more than fit however quiet the
-    # machine (start-up ~55 s, a ~20 s first step, then the deadline window of the slowest step +
-    # save + 10 s; PPO steps ~0.7-1.1 s: 294 of 320 fitted on a quiet machine; 12 epochs fit in one segment once verl's fixed
-    # 60 s no longer came off the window: issue 23), yet room for start-up and a save by the
-    # deadline under heavy load (3-minute segments saved nothing once); verl saves by the deadline
-    # (ESI) and the segment exits 85; max_segments 1 stops the run there. `resume --hours 0.5`
-    # then gives segment 2 thirty minutes, room for the other steps at 5 s a step (~300 x 5 s +
-    # 3 min start-up = 28 min), so the run completes whatever today's load; quiet, ~4 minutes.
-    total = 24 * STEPS_PER_EPOCH
+    # Segment 1 has 4.8 minutes for 128 steps (8 epochs) of at least STEP_DELAY_S each (the
+    # double's delay, inside verl's step timer): 256 s of delay alone, after a start-up of ~55 s
+    # and a ~20 s first step, so they never all fit however fast the machine, yet there is room
+    # for start-up and a save by the deadline under heavy load (3-minute segments saved nothing
+    # once). verl saves by the deadline (ESI) and the segment exits 85; max_segments 1 stops the
+    # run there. `resume --hours 0.5` then gives segment 2 thirty minutes for the rest (~120 x
+    # 7 s + 3 min start-up = 17 min under heavy load; quiet, ~4 minutes). The delay, not the
+    # step count, fills the segment: 384 steps did, and the verl tiers were half the suite's CPU.
+    total = 8 * STEPS_PER_EPOCH
     submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.08,
-           args={"total_epochs": 24, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
-           overrides=CRITIC_CPU_OVERRIDES)
+           args={"total_epochs": 8, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
+           overrides=CRITIC_CPU_OVERRIDES, env={"HPCRL_TEST_VERL_STEP_DELAY_S": STEP_DELAY_S})
     state = wait_for_run("vppo", timeout=600, poll=2)
-    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", state
     run = Run.by_id("vppo")
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", (state, log_tails(run.dir))
     first = int((run.layout.checkpoints / TRACKER).read_text())
     assert (run.layout.checkpoints / f"global_step_{first}" / "critic").is_dir()  # the critic saved too
     hpcrl("resume", "vppo", "--hours", "0.5", "--max-segments", "2", env=job_env())
     state = wait_for_run("vppo", timeout=2000, poll=2)
     segs = [s for s in state["segments"] if s.get("rc") is not None]
-    assert state["state"] == "COMPLETED", state
-    assert [s["rc"] for s in segs] == [85, 0], segs
+    assert state["state"] == "COMPLETED", (state, log_tails(run.dir))
+    assert [s["rc"] for s in segs] == [85, 0], (segs, log_tails(run.dir))
     steps, seen_val = [], []
     for n in range(1, len(segs) + 1):
         records = segment_metrics(run.dir, n)

@@ -15,11 +15,11 @@ import os
 
 import pytest
 
-from helpers import hpcrl, wait_for_run
-from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, STEPS_PER_EPOCH, TINY_ARGS, TRACKER, job_env, no_ray_left,  # noqa: F401 (fixtures)
+from helpers import hpcrl, log_tails, wait_for_run
+from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, STEP_DELAY_S, STEPS_PER_EPOCH, TINY_ARGS, TRACKER, job_env, no_ray_left,  # noqa: F401 (fixtures)
                             segment_metrics, tiny, trained_steps, verl_python)
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-nodes"), pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-nodes"), pytest.mark.timeout(1500)]
 
 
 def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resumes(home, slurm_cluster, verl_python,
@@ -39,26 +39,30 @@ def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resu
             "budget.hours_min": "null", "env.RAY_TMPDIR": f"/tmp/hpcrl-vt-{os.getpid()}-{name}",
             "args.overrides": json.dumps(overrides)}
     # 10,000 steps never finish: each of the two segments must end by its deadline (verl's ESI
-    # save, exit 85), however fast this machine is today; max_segments then stops the run
+    # save, exit 85), however fast this machine is today; max_segments then stops the run. Each
+    # step waits STEP_DELAY_S (the CPU double) so that a segment is a few dozen steps of CPU,
+    # not hundreds.
     sets.update({f"args.{k}": ("null" if v is None else v) for k, v in {**TINY_ARGS, "total_training_steps": 10_000,
                                                                          "total_epochs": 1000, "save_freq": 1000}.items()})
     # wandb offline (no network): verl's own tracking in its Ray actor writes a run per segment
-    sets.update({f"env.{k}": v for k, v in {**CPU_ENV, "WANDB_MODE": "offline"}.items()})
+    sets.update({f"env.{k}": v for k, v in {**CPU_ENV, "WANDB_MODE": "offline",
+                                            "HPCRL_TEST_VERL_STEP_DELAY_S": STEP_DELAY_S}.items()})
     sets["args.logger"] = "wandb"
-    # 4.8-minute segments: under heavy load verl's start-up alone took a 3-minute one (CI run)
-    argv = ["submit", spec, "--site", "testcluster", "--name", name, "--hours", "0.08", "--total-hours", "1",
+    # 6-minute segments: under heavy load verl's start-up alone took a 3-minute one, and once all
+    # of a 4.8-minute one (CI runs; the first segment was killed at its walltime, exit 134)
+    argv = ["submit", spec, "--site", "testcluster", "--name", name, "--hours", "0.1", "--total-hours", "1",
             "--max-segments", "2"]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
     hpcrl(*argv, env=job_env())
     try:
-        state = wait_for_run(name, timeout=1000, poll=2)
+        state = wait_for_run(name, timeout=1100, poll=2)
     finally:
         hpcrl("cancel", name, check=False)
     run = Run.by_id(name)
     segs = [s for s in state["segments"] if s.get("rc") is not None]
-    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", state
-    assert [s["rc"] for s in segs] == [85, 85], segs
+    assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", (state, log_tails(run.dir))
+    assert [s["rc"] for s in segs] == [85, 85], (segs, log_tails(run.dir))
     script = run.layout.script.read_text()
     assert "start --head" in script and "RAY_AUTH_MODE=token" in script  # the bootstrap ran, not verl's own Ray
     first, second = trained_steps(segment_metrics(run.dir, 1)), trained_steps(segment_metrics(run.dir, 2))

@@ -19,6 +19,11 @@ measured in /work/shared/notes/verl-cpu.md):
 - the critic (PPO's value model) loads with SDPA attention: verl 0.9.1's load_valuehead_model
   passes attn_implementation="flash_attention_2" to from_pretrained whatever the configuration
   says (critic.model.override_config is not read there), and FlashAttention 2 is CUDA kernels.
+- HPCRL_TEST_VERL_STEP_DELAY_S (a test sets it): every training step waits that long inside its
+  own timer, on the driver, before verl's deadline check. A walltime test then reaches its
+  deadline with a few steps of real work instead of hundreds (the verl tiers were half of the
+  suite's CPU), and verl's ESI window and hpcrl's save-fits rule both see the delay as step time,
+  as they would see a slow GPU step.
 The rest is user configuration (Hydra overrides and environment) set by the test.
 """
 
@@ -210,7 +215,23 @@ def _patch_valuehead(mod):
     mod.load_valuehead_model = load_valuehead_model
 
 
+def _patch_step_delay(mod):
+    delay = float(os.environ.get("HPCRL_TEST_VERL_STEP_DELAY_S") or 0)
+    if delay <= 0:
+        return
+    original = mod.compute_advantage  # called once a step inside fit()'s "step" timer, on the driver
+
+    def compute_advantage(*args, **kwargs):
+        import time
+
+        time.sleep(delay)
+        return original(*args, **kwargs)
+
+    mod.compute_advantage = compute_advantage
+
+
 PATCHES = {
+    "verl.trainer.ppo.ray_trainer": _patch_step_delay,
     "verl.utils.model": _patch_valuehead,
     "verl.utils.distributed": _patch_distributed,
     "torch.distributed.fsdp._fully_shard._fsdp_api": _patch_offload_policy,
