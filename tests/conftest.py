@@ -33,6 +33,8 @@ def _slurm_locks(request):
         if slurm:
             stack.enter_context(cluster_shared())
         if ray:  # a local Ray (the verl tier) too: it shares this machine's ports with the Slurm ones
+            if ray.args == ("slurm-nodes",):
+                _wait_for_the_light_ray_files()
             stack.enter_context(ray_to_myself(*ray.args))
         yield
 
@@ -231,6 +233,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_runtest_logreport(report):
+    gate_report(report)
     where = os.environ.get("HPCRL_TEST_TIMES")
     if not where or os.environ.get("PYTEST_XDIST_WORKER"):
         return
@@ -239,3 +242,66 @@ def pytest_runtest_logreport(report):
                       report.outcome, report.when, report.nodeid])
     with open(Path(where) / f"{_phase_name()}.tsv", "a", encoding="utf-8") as f:
         f.write(line + "\n")
+
+
+# The Slurm nodes' Ray lock goes to the light phase first. Both phases start together; the light
+# phase's short Ray files on the Slurm nodes (LIGHT_SLURM_RAY_FILES, ~2 minutes, ordered first)
+# must have the lock before the tiers' Slurm verl run (~13 minutes) does: a light test that waited
+# for that run would run past its own timeout. scripts/test names one gate file for both phases
+# (HPCRL_TEST_RAY_GATE); the light phase's controller creates it once those files' tests are torn
+# down (or when the phase ends), and a tiers test waits for it, a bounded wait, before the lock.
+LIGHT_SLURM_RAY_FILES = ("tests/test_slurm_two_nodes.py", "tests/test_verl_ray.py")
+GATE_WAIT_S = 900
+_gate_pending: set[str] | None = None
+
+
+def _gate(phase: str) -> Path | None:
+    path = os.environ.get("HPCRL_TEST_RAY_GATE")
+    return Path(path) if path and os.environ.get("HPCRL_TEST_PHASE") == phase else None
+
+
+def _open_gate() -> None:
+    gate = _gate("light")
+    if gate is not None:
+        gate.touch()
+
+
+def gate_watch(nodeids) -> None:
+    """The light phase's controller: the tests to wait for, from the phase's collection."""
+    global _gate_pending
+    if _gate_pending is None and _gate("light") is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        _gate_pending = {n for n in nodeids if n.split("::")[0] in LIGHT_SLURM_RAY_FILES}
+        if not _gate_pending:
+            _open_gate()
+
+
+def gate_report(report) -> None:
+    if _gate_pending and report.when == "teardown" and report.nodeid in _gate_pending:
+        _gate_pending.discard(report.nodeid)
+        if not _gate_pending:
+            _open_gate()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):  # the xdist controller's view of the collection
+    gate_watch(ids)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):  # without xdist the one process collects and runs
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not getattr(session.config.option, "numprocesses", None):
+        gate_watch([item.nodeid for item in session.items])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _open_gate()  # whatever happened to the light phase, the tiers are not held back by it
+
+
+def _wait_for_the_light_ray_files() -> None:
+    import time
+
+    gate = _gate("tiers")
+    end = time.monotonic() + GATE_WAIT_S
+    while gate is not None and not gate.exists() and time.monotonic() < end:
+        time.sleep(1)
