@@ -91,9 +91,14 @@ def test_chain_on_slurm_survives_slurmctld_away_longer_than_a_hook_waits(home, s
         # Slurm's own record of a continuation segment is a job that did its work, not a failure
         from hpcrl.backends.slurm import SlurmBackend
 
-        infos = SlurmBackend({}).query([s["job_id"] for s in ran])
-        assert [(infos[s["job_id"]].state.value, infos[s["job_id"]].exit_code) for s in ran] == \
-            [("COMPLETED", 0)] * len(ran)
+        def records():
+            infos = SlurmBackend({}).query([s["job_id"] for s in ran])
+            return [(infos[s["job_id"]].state.value, infos[s["job_id"]].exit_code) for s in ran]
+
+        # a record without its exit code yet (one job's, once, right after the outage) is waited for
+        wait_until(lambda: all(code is not None for _, code in records()), 60, "Slurm's records' exit codes",
+                   poll=2, describe=records)
+        assert records() == [("COMPLETED", 0)] * len(ran)
         time.sleep(1)
         queue = subprocess.run(["squeue", "-h", "--name", name, "-o", "%T"], capture_output=True, text=True).stdout
         assert all(st in ("COMPLETED", "CANCELLED") for st in queue.split()), queue

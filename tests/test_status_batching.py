@@ -130,3 +130,28 @@ def test_a_final_runs_segment_that_died_without_its_hook_is_closed(home, monkeyp
     assert segs["r000"]["state"] == SegState.LOST.value and "cancelled" in segs["r000"]["reason"]
     assert segs["r001"]["state"] == SegState.RUNNING.value
     assert control.Run.by_id("r000").state()["state"] == "CANCELLED"
+
+
+def test_a_finished_job_without_an_exit_code_from_scontrol_gets_it_from_sacct(monkeypatch):
+    # squeue lists the job COMPLETED (its format has no exit code) and scontrol knows nothing of
+    # it: sacct's record gives the code. A RUNNING job is never asked of sacct.
+    calls = []
+
+    def double(argv, timeout_s=60, check=True, input_text=None, env=None):
+        calls.append(argv[0])
+        if argv[0] == "squeue":
+            return CommandResult(argv, 0, "7|COMPLETED|None|N/A|N/A\n8|RUNNING|None|N/A|N/A\n", "")
+        if argv[0] == "scontrol":
+            return CommandResult(argv, 1, "", "slurm_load_jobs error: Invalid job id specified")
+        assert argv[argv.index("-j") + 1] == "7", argv
+        return CommandResult(argv, 0, "7|COMPLETED|0:0|N/A|N/A\n", "")
+
+    monkeypatch.setattr(slurm, "run_command", double)
+    infos = slurm.SlurmBackend({}).query(["7", "8"])
+    assert (infos["7"].state, infos["7"].exit_code) == (slurm.JobState.COMPLETED, 0)
+    assert infos["8"].state == slurm.JobState.RUNNING and calls == ["squeue", "scontrol", "sacct"]
+    # and when sacct has no record either, squeue's state stays (not UNKNOWN)
+    monkeypatch.setattr(slurm, "run_command", lambda argv, **kw: double(argv) if argv[0] != "sacct"
+                        else CommandResult(argv, 0, "", ""))
+    infos = slurm.SlurmBackend({}).query(["7"])
+    assert (infos["7"].state, infos["7"].exit_code) == (slurm.JobState.COMPLETED, None)

@@ -431,8 +431,13 @@ def test_recipe_budget_makes_one_create_per_vm_not_per_segment(cloud, preempt_af
     assert len(cloud.calls("queued-resources", "create")) == creates, [s["job_id"] for s in state["segments"]]
     vms = sorted({s["job_id"].split(".")[0] for s in ran})
     assert vms == [f"hpcrl-twelve-{n}" for n in range(1, creates + 1)]
-    for prev, nxt in zip(ran, ran[1:]):
-        assert nxt["start_step"] == prev["end_step"] > 0, f"segment {nxt['k']} resumed where {prev['k']} stopped"
+    # each segment resumes from the last one's checkpoint: under load a 5-second segment can be all
+    # start-up and save nothing (end_step None), and the one after it starts where that one did
+    saved = None
+    for seg in ran:
+        assert seg["start_step"] == saved, f"segment {seg['k']} resumed from the last save ({saved})"
+        saved = seg["end_step"] if seg["end_step"] is not None else saved
+    assert saved and saved > 0, ran
     for qr in cloud.qrs().values():
         assert qr.get("deleted"), f"{qr['id']} was left to bill"
 

@@ -413,16 +413,20 @@ class SlurmBackend(Backend):
     def query(self, job_ids: list[str], run=None) -> dict[str, JobInfo]:
         """State of each job, with exit codes of finished ones; a job that no command knows any
         more is UNKNOWN. One squeue, then scontrol per finished job (squeue's format has no exit
-        code), then one sacct for the rest: for a few jobs (a segment asking for its own)."""
+        code), then one sacct for the rest and for finished jobs still without an exit code: for a
+        few jobs (a segment asking for its own)."""
         ids = [str(j) for j in job_ids]
         if not ids:
             return {}
         found = self._squeue(ids)
         for job_id in [j for j in ids if j not in found or found[j].state.finished]:
             found.update(self._scontrol(job_id))
-        missing = [j for j in ids if j not in found]
+        # sacct too for a finished job whose exit code neither told: squeue's COMPLETED with nothing
+        # from scontrol was seen after a slurmctld outage, and a job's record then had no exit code
+        missing = [j for j in ids if j not in found or (found[j].state.finished and found[j].exit_code is None)]
         if missing:
-            found.update(self._sacct(missing))
+            found.update({j: info for j, info in self._sacct(missing).items()
+                          if j not in found or info.exit_code is not None})
         return {j: found.get(j) or JobInfo(j, JobState.UNKNOWN, "not known to squeue, scontrol or sacct")
                 for j in ids}
 
