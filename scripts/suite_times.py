@@ -49,7 +49,8 @@ def report(name: str, rows: list, top: int) -> None:
     print(f"== {name}: {t1 - t0:.0f} s wall, {len(files)} files, {len(failed)} failed")
     for worker in sorted(busy):
         mine = sorted((s[0], f) for f, s in files.items() if owner[f] == worker)
-        last = max(files[f][1] for _, f in mine) - t0
+        # (a worker can own no file: another reported each file it ran a test of last)
+        last = max((files[f][1] for _, f in mine), default=t0) - t0
         print(f"  {worker}: busy {busy[worker]:.0f} s, done at {last:.0f} s, {len(mine)} files")
     print(f"  longest files (wall s, start..stop from the phase's start, worker):")
     for f, (s, e) in sorted(files.items(), key=lambda kv: kv[1][0] - kv[1][1])[:top]:
