@@ -45,3 +45,36 @@ def test_usr1_and_term_after_the_trainer_exited_are_recorded_as_late_not_as_a_ch
     assert "hpcrl: TERM arrived after the trainer had exited (code 0): nothing to stop" in after, log
     assert "checkpoint and stop" not in log and "TERM: stop now" not in log, log
     assert not run.layout.checkpointing_flag.exists(), "a late USR1 left the run marked CHECKPOINTING"
+
+
+def test_usr1_before_the_trainer_can_take_it_waits_for_its_handler(fast_local, tmp_path):
+    # The walltime's USR1 (or `hpcrl stop`'s) can reach the batch shell while the trainer's
+    # interpreter is still starting, before it handles USR1: forwarded then, it killed the trainer
+    # (exit 138, a failed segment). Here the trainer's interpreter is a wrapper that waits for a
+    # file before it execs Python, so that the USR1 certainly comes first.
+    import sys
+
+    go = tmp_path / "go"
+    slow = tmp_path / "slow-python"
+    slow.write_text(f'#!/bin/sh\nif [ -n "${{HPCRL_JOB_ID:-}}" ]; then\n'
+                    f'  while [ ! -e {go} ]; do sleep 0.1; done\nfi\nexec {sys.executable} "$@"\n')
+    slow.chmod(0o755)
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", "early",
+          "--set", f"site.trainer_python={slow}", "--set", "args.steps=6", "--set", "args.step_time_s=0.2",
+          "--max-segments", "3")
+    rdir = run_dir("early")
+    queue = rdir / ".queue" / "1.json"
+    wait_until(lambda: queue.exists() and "pgid" in json.loads(queue.read_text() or "{}")
+               and f"hpcrl: run early segment 1" in _log(rdir), 60, "the segment to start", describe=lambda: _log(rdir))
+    os.kill(json.loads(queue.read_text())["pgid"], signal.SIGUSR1)  # to the batch shell, as Slurm's B:USR1
+    wait_until(lambda: "hpcrl: USR1: checkpoint and stop" in _log(rdir), 60, "the shell's trap",
+               describe=lambda: _log(rdir))
+    assert "smoke: segment 1 starts" not in _log(rdir), "the trainer started before the USR1 (proves nothing)"
+    go.touch()
+    state = wait_for_run("early", timeout=120)
+    log = _log(rdir)
+    first = state["segments"][0]
+    assert (first["state"], first["rc"]) == ("CONTINUE", 85), (state["segments"], log)
+    assert "(SIGUSR1)" in log.split("smoke: stopping for continuation at step", 1)[1].splitlines()[0], log
+    assert "User defined signal" not in log, log
+    assert state["state"] == "COMPLETED", state

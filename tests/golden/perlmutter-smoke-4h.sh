@@ -80,8 +80,28 @@ rm -f "$rc_file"
 # The traps are set before the trainer starts: a USR1 that reached the shell before them would
 # kill it (the default action), however early the trainer sends or Slurm delivers it.
 runner=""
+# A trainer still starting (its interpreter importing, no USR1 handler yet) would die of USR1, the
+# default action, and the segment would read as failed (exit 138): the USR1 waits until the trainer
+# catches it (SigCgt in /proc/PID/status), or exits. TERM goes at once (stop now).
+usr1=$(kill -l USR1)
+catches() {
+  local mask
+  mask=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$1/status" 2>/dev/null)
+  [ -n "$mask" ] && (( (16#$mask >> ($2 - 1)) & 1 ))
+}
 forward() {
-  [ -z "$runner" ] || pkill "-$1" -P "$runner" 2>/dev/null
+  [ -n "$runner" ] || return 0
+  local pid
+  for pid in $(pgrep -P "$runner"); do
+    if [ "$1" != USR1 ] || catches "$pid" "$usr1"; then
+      kill "-$1" "$pid" 2>/dev/null
+    else
+      ( while kill -0 "$pid" 2>/dev/null; do
+          if catches "$pid" "$usr1"; then kill -USR1 "$pid"; break; fi
+          sleep 0.2
+        done ) &
+    fi
+  done
 }
 # A signal once the trainer has exited (the walltime's USR1 may come late: Slurm checks limits on
 # a 30 s tick; a trainer may finish just before it) has nothing to save or stop: it is recorded as
