@@ -55,7 +55,9 @@ def start_trainer(run_dir: Path, segment: int = 1, deadline=None, step_delay_s: 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run_trainer(run_dir: Path, segment: int = 1, timeout: float = 240, **extra):
+def run_trainer(run_dir: Path, segment: int = 1, timeout: float = 600, **extra):
+    # a bound for a hung trainer, not a time: a one-line refusal took over 240 s once, its start-up
+    # (torch's imports, the model) at ~4% of a core beside the full suite and the verl tiers
     proc = start_trainer(run_dir, segment, **extra)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
