@@ -287,9 +287,8 @@ def pytest_xdist_node_collection_finished(node, ids):  # the xdist controller's 
     gate_watch(ids)
 
 
-@pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):  # without xdist the one process collects and runs
-    if not os.environ.get("PYTEST_XDIST_WORKER") and not getattr(session.config.option, "numprocesses", None):
+    if not getattr(session.config.option, "numprocesses", None):
         gate_watch([item.nodeid for item in session.items])
 
 

@@ -8,9 +8,7 @@ import fcntl
 import json
 import os
 import signal
-from pathlib import Path
-
-from helpers import hpcrl, run_dir, wait_for_run, wait_until
+from helpers import hpcrl, run_dir, trainer_pids, wait_for_run, wait_until
 
 
 def _log(rdir, job_id="1") -> str:
@@ -66,17 +64,10 @@ def test_usr1_before_the_trainer_can_take_it_waits_for_its_handler(fast_local, t
     rdir = run_dir("early")
     queue = rdir / ".queue" / "1.json"
 
-    def trainer_waiting() -> bool:  # the wrapper runs: the shell has set its traps (before the trainer)
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and str(slow).encode() in (proc / "cmdline").read_bytes():
-                    return True
-            except OSError:
-                continue
-        return False
-
-    wait_until(lambda: queue.exists() and "pgid" in json.loads(queue.read_text() or "{}") and trainer_waiting(),
-               300, "the segment's trainer to start", describe=lambda: _log(rdir))
+    # the wrapper runs (waiting for `go`): the shell set its traps before it started the trainer
+    wait_until(lambda: queue.exists() and "pgid" in json.loads(queue.read_text() or "{}")
+               and trainer_pids(rdir, module="hpcrl.trainers.smoke"), 300, "the segment's trainer to start",
+               describe=lambda: _log(rdir))
     os.kill(json.loads(queue.read_text())["pgid"], signal.SIGUSR1)  # to the batch shell, as Slurm's B:USR1
     wait_until(lambda: "hpcrl: USR1: checkpoint and stop" in _log(rdir), 60, "the shell's trap",
                describe=lambda: _log(rdir))

@@ -149,7 +149,7 @@ forward() {
       kill "-$1" "$pid" 2>/dev/null
     else
       ( while kill -0 "$pid" 2>/dev/null; do
-          if catches "$pid" "$usr1"; then kill -USR1 "$pid"; break; fi
+          if catches "$pid" "$usr1"; then kill -USR1 "$pid" 2>/dev/null; break; fi
           sleep 0.2
         done ) &
     fi
