@@ -128,7 +128,9 @@ def assert_resumed_exactly(state: dict, total: int, rdir: Path) -> None:
 
 def test_accepted_active_deadline_resubmit_resume_done(cloud):
     cloud.scenario([{"states": ["ACCEPTED", "PROVISIONING", "ACTIVE"]}])
-    submit("dl", "--hours", "0.0015", "--set", "args.steps=30", "--set", "args.step_time_s=0.1",
+    # 10.8 s segments for 12 s of steps: under CI's load two 5.4 s segments in a row were all
+    # start-up (no step saved), and the run failed as it should (no checkpoint progress)
+    submit("dl", "--hours", "0.003", "--set", "args.steps=30", "--set", "args.step_time_s=0.4",
            "--set", "args.save_every=1000")
     first = run_state("dl")
     assert [s["state"] for s in first["segments"]] == ["QUEUED"] and first["segments"][0]["job_id"] == "hpcrl-dl-1"
@@ -138,7 +140,7 @@ def test_accepted_active_deadline_resubmit_resume_done(cloud):
     state, rdir = run_state("dl"), run_dir("dl")
     assert state["state"] == "COMPLETED"
     ran = started(state)
-    assert len(ran) >= 2, "the 5 s segment deadline cut the 3 s of training"
+    assert len(ran) >= 2, "the 10.8 s segment deadline cut the 12 s of training"
     assert all(s["state"] == "CONTINUE" and s["rc"] == 85 for s in ran[:-1]) and ran[-1]["state"] == "COMPLETE"
     assert_resumed_exactly(state, 30, rdir)
     # one queued resource for the whole run, created with the rendered startup script: its VM ran

@@ -246,6 +246,33 @@ def test_fork_server_killed_between_calls_is_restarted(mode):
     assert sandbox._SERVER.proc.pid != pid and _alive(sandbox._SERVER.proc.pid)
 
 
+def _descendants(pid: int) -> list:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _freeze(pid: int) -> list:
+    """SIGSTOP every process below pid, top down, until a walk finds no new one: a frozen sample
+    cannot finish, however long this thread stalls before the kill."""
+    frozen = []
+    while new := [p for p in _descendants(pid) if p not in frozen]:
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        frozen += new
+    return frozen
+
+
 @fork_only
 def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypatch):
     pid = _server_pid(mode)
@@ -254,8 +281,9 @@ def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypa
         spawned.append(sandbox.BOOT in argv)
         return popen(argv, *a, **kw)
     monkeypatch.setattr(sandbox.subprocess, "Popen", spy)
-    # 8 s: the kill must land while the sample runs, and under CI's load this thread once stalled
-    # past a 1.5 s sample (it finished, nothing to fall back from); the rerun shares the deadline
+    # the sample sleeps 8 s, and it is frozen (SIGSTOP, its whole tree) once the server has forked
+    # it: under CI's load this thread once stalled past the sample's end before its kill (the
+    # sample finished in the server, nothing to fall back from); the rerun shares the deadline
     code = "import time\ntime.sleep(8)\ndef f(): return 1"
     slow = sandbox.Limits(timeout_s=40.0, cpu_s=2)
     results = []
@@ -267,7 +295,8 @@ def test_fork_server_killed_during_a_sample_falls_back_to_a_spawn(mode, monkeypa
     t = threading.Thread(target=lambda: results.append(_score(code, limits=slow)))
     t.start()
     wait_until(lambda: children.read_text().split(), 60, "the server forked the sample")
-    sample = [int(c) for c in children.read_text().split()]
+    sample = _freeze(pid)
+    assert sample and not results, "the sample was frozen while it ran"
     os.kill(pid, signal.SIGKILL)
     # the forked sample dies with the server (PDEATHSIG, down to its pid 1 and namespace)...
     wait_until(lambda: not any(map(_alive, sample)), 60, "the forked sample gone with the server")
