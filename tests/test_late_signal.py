@@ -8,7 +8,11 @@ import fcntl
 import json
 import os
 import signal
-from helpers import hpcrl, run_dir, trainer_pids, wait_for_run, wait_until
+from pathlib import Path
+
+import pytest
+
+from helpers import hpcrl, run_dir, run_state, trainer_pids, wait_for_run, wait_until
 
 
 def _log(rdir, job_id="1") -> str:
@@ -79,4 +83,43 @@ def test_usr1_before_the_trainer_can_take_it_waits_for_its_handler(fast_local, t
     assert (first["state"], first["rc"]) == ("CONTINUE", 85), (state["segments"], log)
     assert "(SIGUSR1)" in log.split("smoke: stopping for continuation at step", 1)[1].splitlines()[0], log
     assert "User defined signal" not in log, log
+    assert state["state"] == "COMPLETED", state
+
+
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
+def test_a_signal_during_the_set_up_is_kept_for_the_trainer(fast_local, tmp_path, sig):
+    # A USR1 while the segment is still setting up (a site's set-up line, a venv check, modules):
+    # with no trap yet, bash's default action ended the batch shell, unrecorded. The shell now
+    # remembers it from its first line and delivers it once the trainer runs. The site's set-up
+    # line here waits for a file, so that the signal certainly comes before the trainer. A TERM
+    # (stop now) then starts no trainer at all.
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    (sites / "slowsetup.yaml").write_text(
+        f"extends: {fast_local}\nsetup:\n  - {json.dumps(f'touch {ready}; while [ ! -e {go} ]; do sleep 0.1; done')}\n",
+        encoding="utf-8")
+    hpcrl("submit", "--site", "slowsetup", "--trainer", "smoke", "--hours", "0.05", "--name", "setup",
+          "--set", "args.steps=6", "--set", "args.step_time_s=0.2", "--max-segments", "3")
+    rdir = run_dir("setup")
+    queue = rdir / ".queue" / "1.json"
+    wait_until(lambda: ready.exists() and queue.exists() and "pgid" in json.loads(queue.read_text() or "{}"),
+               300, "the segment's set-up line", describe=lambda: _log(rdir))
+    os.kill(json.loads(queue.read_text())["pgid"], getattr(signal, f"SIG{sig}"))  # to the batch shell, as Slurm's B:
+    go.touch()
+    if sig == "TERM":
+        wait_until(lambda: run_state("setup")["segments"][0].get("rc") is not None, 120, "segment 1's end",
+                   describe=lambda: _log(rdir))
+        log, first = _log(rdir), run_state("setup")["segments"][0]
+        assert (first["state"], first["rc"]) == ("FAILED", 143), (first, log)
+        assert "hpcrl: TERM arrived before the trainer started: not starting it" in log, log
+        assert "smoke: segment 1 starts" not in log, log
+        assert wait_for_run("setup", timeout=120)["state"] == "COMPLETED"  # the next segment ran it
+        return
+    state = wait_for_run("setup", timeout=120)
+    log = _log(rdir)
+    first = state["segments"][0]
+    assert (first["state"], first["rc"]) == ("CONTINUE", 85), (state["segments"], log)
+    assert "hpcrl: USR1 arrived before the trainer started; delivering it now" in log, log
+    assert "hpcrl: USR1: checkpoint and stop" in log, log
+    assert "(SIGUSR1)" in log.split("smoke: stopping for continuation at step", 1)[1].splitlines()[0], log
     assert state["state"] == "COMPLETED", state

@@ -47,7 +47,7 @@ def test_local_two_ranks_run_standalone_torchrun_and_turn_usr1_into_the_stop_fil
     assert 'export HPCRL_STOP_FILE="$HPCRL_RUN_DIR/.trainer-stop-$HPCRL_JOB_ID"' in text
     assert 'export HPCRL_EXIT_FILE="$HPCRL_RUN_DIR/.trainer-exit-$HPCRL_JOB_ID"' in text
     assert "; forward USR1'" not in text, "torchrun dies of USR1: it must never get one"
-    usr1 = next(ln for ln in text.splitlines() if ln.startswith("trap ") and ln.endswith(" USR1"))
+    usr1 = [ln for ln in text.splitlines() if ln.startswith("trap ") and ln.endswith(" USR1")][-1]  # not the early one
     assert 'touch "$HPCRL_RUN_DIR/.checkpointing" "$HPCRL_STOP_FILE"' in usr1
     assert "forward TERM" in text  # torchrun forwards TERM to its ranks
     check_golden("local-builtin-2-ranks.sh", text)

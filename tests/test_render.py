@@ -110,7 +110,7 @@ def test_trainer_exit_code_survives_usr1_racing_its_exit(tmp_path):
     command = next(ln.strip() for ln in text[start:end].splitlines() if "hpcrl.trainers.smoke" in ln)
     # The traps come before the trainer starts: a USR1 sent the moment it starts (as here) would
     # otherwise find the shell with USR1's default action and kill it (a CI run saw it).
-    assert text.index("fi' USR1\n", start) < text.index("\n(\n  trap : USR1 TERM INT", start)
+    assert text.index("fi' USR1\n", start) < text.index("\n  (\n    trap : USR1 TERM INT", start)
     block = text[start:end].replace(command, "sh -c 'kill -USR1 \"$1\"; exit 85' _ $$")
     script = ("for i in 1 2 3 4 5 6 7 8; do\n  unset hpcrl_done\n" + block + "  echo rc=$rc\ndone\n")  # each a fresh start
     env = {"HPCRL_RUN_DIR": str(tmp_path), "HPCRL_JOB_ID": "7", "PATH": os.environ["PATH"]}

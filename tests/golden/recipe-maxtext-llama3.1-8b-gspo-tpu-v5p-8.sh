@@ -5,6 +5,12 @@
 # set up the environment, run the trainer in the background under the walltime protocol,
 # forward USR1/TERM to it, wait until it really exits, then record the outcome (_segment end).
 set -uo pipefail
+# A USR1 or TERM that reaches this shell before the trainer runs (during the set-up below: the
+# segment's start, a venv check, modules, the bootstrap) is remembered and delivered once it does:
+# bash's default action would end the segment unrecorded, its checkpoint request lost.
+early_signals=""
+trap 'early_signals="$early_signals USR1"' USR1
+trap 'early_signals="$early_signals TERM"' TERM
 
 export HPCRL_RUN_ID=maxtext-llama3.1-8b-gspo
 export HPCRL_RUN_DIR=/var/lib/hpcrl/runs/maxtext-llama3.1-8b-gspo
@@ -79,8 +85,7 @@ cd "$HPCRL_RUN_DIR"
 # (its no-op traps are reset to defaults in the trainer by exec).
 rc_file="$HPCRL_RUN_DIR/.trainer-rc-$HPCRL_JOB_ID"
 rm -f "$rc_file"
-# The traps are set before the trainer starts: a USR1 that reached the shell before them would
-# kill it (the default action), however early the trainer sends or Slurm delivers it.
+# The signals' own traps, set before the trainer starts (those at the top only remember).
 runner=""
 # A trainer still starting (its interpreter importing, no USR1 handler yet) would die of USR1, the
 # default action, and the segment would read as failed (exit 138): the USR1 waits until the trainer
@@ -114,12 +119,22 @@ late() {
 }
 trap 'if exited; then late USR1 "nothing to checkpoint"; else echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1; fi' USR1
 trap 'if exited; then late TERM "nothing to stop"; else echo "hpcrl: TERM: stop now"; forward TERM; fi' TERM
-(
-  trap : USR1 TERM INT
-  "$trainer_py" -m hpcrl.job.maxtext --python "$trainer_py" --ckpt-root gs://hpcrl-demo-bucket/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://hpcrl-demo-bucket/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://hpcrl-demo-bucket/llama3.1-8b-maxtext/0/items num_batches=3738
-  echo "$?" > "$rc_file"
-) &
-runner=$!
+if [[ " $early_signals " == *" TERM "* ]]; then
+  # stop now, before it began: the trainer is not started; its code reads as killed by TERM
+  echo "hpcrl: TERM arrived before the trainer started: not starting it"
+  echo 143 > "$rc_file"
+else
+  (
+    trap : USR1 TERM INT
+    "$trainer_py" -m hpcrl.job.maxtext --python "$trainer_py" --ckpt-root gs://hpcrl-demo-bucket/hpcrl/maxtext-llama3.1-8b-gspo/checkpoints/actor --period 50 --total-steps 3738 --save-time-s 120 --eval first -- model_name=llama3.1-8b-Instruct run_name=maxtext-llama3.1-8b-gspo base_output_directory=gs://hpcrl-demo-bucket/hpcrl chips_per_vm=4 loss_algo=gspo-token enable_checkpointing=true checkpoint_period=50 max_num_checkpoints_to_keep=3 load_parameters_path=gs://hpcrl-demo-bucket/llama3.1-8b-maxtext/0/items num_batches=3738
+    echo "$?" > "$rc_file"
+  ) &
+  runner=$!
+  for sig in $early_signals; do
+    echo "hpcrl: $sig arrived before the trainer started; delivering it now"
+    kill "-$sig" $$
+  done
+fi
 # `wait` returns early when a trap fires: wait again until the runner has really exited.
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"

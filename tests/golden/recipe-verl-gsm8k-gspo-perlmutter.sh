@@ -20,6 +20,12 @@
 # set up the environment, run the trainer in the background under the walltime protocol,
 # forward USR1/TERM to it, wait until it really exits, then record the outcome (_segment end).
 set -uo pipefail
+# A USR1 or TERM that reaches this shell before the trainer runs (during the set-up below: the
+# segment's start, a venv check, modules, the bootstrap) is remembered and delivered once it does:
+# bash's default action would end the segment unrecorded, its checkpoint request lost.
+early_signals=""
+trap 'early_signals="$early_signals USR1"' USR1
+trap 'early_signals="$early_signals TERM"' TERM
 
 export HPCRL_RUN_ID=verl-gsm8k-gspo
 export HPCRL_RUN_DIR=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo
@@ -129,8 +135,7 @@ fi
 # (its no-op traps are reset to defaults in the trainer by exec).
 rc_file="$HPCRL_RUN_DIR/.trainer-rc-$HPCRL_JOB_ID"
 rm -f "$rc_file"
-# The traps are set before the trainer starts: a USR1 that reached the shell before them would
-# kill it (the default action), however early the trainer sends or Slurm delivers it.
+# The signals' own traps, set before the trainer starts (those at the top only remember).
 runner=""
 # A trainer still starting (its interpreter importing, no USR1 handler yet) would die of USR1, the
 # default action, and the segment would read as failed (exit 138): the USR1 waits until the trainer
@@ -164,12 +169,22 @@ late() {
 }
 trap 'if exited; then late USR1 "nothing to checkpoint"; else echo "hpcrl: USR1: checkpoint and stop"; touch "$HPCRL_RUN_DIR/.checkpointing"; forward USR1; fi' USR1
 trap 'if exited; then late TERM "nothing to stop"; else echo "hpcrl: TERM: stop now"; forward TERM; fi' TERM
-(
-  trap : USR1 TERM INT
-  "$trainer_py" -m hpcrl.job.verl --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints --save-mode deadline --save-freq 20 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/gsm8k/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/gsm8k/test.parquet'"'"'' data.train_batch_size=128 data.max_prompt_length=512 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-0.5B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gspo actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean actor_rollout_ref.actor.clip_ratio_low=0.0003 actor_rollout_ref.actor.clip_ratio_high=0.0004 actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.use_kl_loss=False algorithm.use_kl_in_reward=False reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints trainer.resume_mode=auto trainer.nnodes=1 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=10 trainer.project_name=hpcrl-gsm8k trainer.experiment_name=verl-gsm8k-gspo trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300 ray_kwargs.ray_init.num_cpus=128
-  echo "$?" > "$rc_file"
-) &
-runner=$!
+if [[ " $early_signals " == *" TERM "* ]]; then
+  # stop now, before it began: the trainer is not started; its code reads as killed by TERM
+  echo "hpcrl: TERM arrived before the trainer started: not starting it"
+  echo 143 > "$rc_file"
+else
+  (
+    trap : USR1 TERM INT
+    "$trainer_py" -m hpcrl.job.verl --python "$trainer_py" --ckpt-dir /pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints --save-mode deadline --save-freq 20 --save-every-s 1800 --save-time-s 300 --logger auto --keep 2 -- 'data.train_files='"'"'$SCRATCH/hpcrl/data/gsm8k/train.parquet'"'"'' 'data.val_files='"'"'$SCRATCH/hpcrl/data/gsm8k/test.parquet'"'"'' data.train_batch_size=128 data.max_prompt_length=512 data.max_response_length=1024 'actor_rollout_ref.model.path='"'"'$SCRATCH/models/Qwen2.5-0.5B-Instruct'"'"'' actor_rollout_ref.actor.optim.lr=1e-06 actor_rollout_ref.actor.ppo_mini_batch_size=64 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gspo actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean actor_rollout_ref.actor.clip_ratio_low=0.0003 actor_rollout_ref.actor.clip_ratio_high=0.0004 actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.use_kl_loss=False algorithm.use_kl_in_reward=False reward.custom_reward_function.path=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/verl/rewards.py reward.custom_reward_function.name=compute_score trainer.default_local_dir=/pscratch/sd/u/user/hpcrl/runs/verl-gsm8k-gspo/checkpoints trainer.resume_mode=auto trainer.nnodes=1 trainer.n_gpus_per_node=4 trainer.total_epochs=15 trainer.test_freq=10 trainer.project_name=hpcrl-gsm8k trainer.experiment_name=verl-gsm8k-gspo trainer.max_actor_ckpt_to_keep=2 trainer.max_critic_ckpt_to_keep=2 trainer.use_v1=False trainer.esi_redundant_time=300 ray_kwargs.ray_init.num_cpus=128
+    echo "$?" > "$rc_file"
+  ) &
+  runner=$!
+  for sig in $early_signals; do
+    echo "hpcrl: $sig arrived before the trainer started; delivering it now"
+    kill "-$sig" $$
+  done
+fi
 # `wait` returns early when a trap fires: wait again until the runner has really exited.
 while kill -0 "$runner" 2>/dev/null; do
   wait "$runner"
