@@ -19,11 +19,7 @@ measured in /work/shared/notes/verl-cpu.md):
 - the critic (PPO's value model) loads with SDPA attention: verl 0.9.1's load_valuehead_model
   passes attn_implementation="flash_attention_2" to from_pretrained whatever the configuration
   says (critic.model.override_config is not read there), and FlashAttention 2 is CUDA kernels.
-- vLLM's shared-memory message queue never spins: its reader busy-loops (sched_yield) for a
-  second after every message (SpinCondition, busy_loop_s=1), meant for a GPU node's idle cores;
-  on this 2-core machine the vLLM worker spun at ~0.4 of a core through a whole verl run, 60% of
-  its steady CPU, taken from the trainer and the rest of the suite. It now waits in its poll at
-  once (the wake-up path vLLM itself takes after a second idle), for at most 10 ms at a time.
+- (vLLM's message queue that never spins: sitecustomize.py in this folder, which says why);
 - HPCRL_TEST_VERL_STEP_DELAY_S (a test sets it): every training step waits that long inside its
   own timer, on the driver, before verl's deadline check. A walltime test then reaches its
   deadline with a few steps of real work instead of hundreds (the verl tiers were half of the
@@ -187,20 +183,6 @@ def _patch_vllm_ops(mod):
     mod._supports_onednn = False
 
 
-def _patch_vllm_spin(mod):
-    init, wait = mod.SpinCondition.__init__, mod.SpinCondition.wait
-
-    def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
-        init(self, is_reader, context, notify_address, busy_loop_s=0)
-
-    def wait_briefly(self, timeout_ms=None):
-        # without the spin a missed wake-up (seen: every few steps) held a weight sync or a
-        # generation until the next message, ~5 s later: look at the buffer again every 10 ms
-        wait(self, timeout_ms=10 if timeout_ms is None else min(timeout_ms, 10))
-
-    mod.SpinCondition.__init__, mod.SpinCondition.wait = __init__, wait_briefly
-
-
 def _patch_valuehead(mod):
     original = mod.load_valuehead_model
 
@@ -256,7 +238,6 @@ PATCHES = {
     "torch.distributed.fsdp._fully_shard._fsdp_api": _patch_offload_policy,
     "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer": _patch_receiver,
     "vllm._custom_ops": _patch_vllm_ops,
-    "vllm.distributed.device_communicators.shm_broadcast": _patch_vllm_spin,
 }
 
 
