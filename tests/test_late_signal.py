@@ -123,3 +123,30 @@ def test_a_signal_during_the_set_up_is_kept_for_the_trainer(fast_local, tmp_path
     assert "hpcrl: USR1: checkpoint and stop" in log, log
     assert "(SIGUSR1)" in log.split("smoke: stopping for continuation at step", 1)[1].splitlines()[0], log
     assert state["state"] == "COMPLETED", state
+
+
+def test_usr1_reaches_the_trainer_under_a_wrapper_that_does_not_exec(fast_local, tmp_path):
+    # site.trainer_python is often a wrapper script (modules, an environment) that runs Python as
+    # its child: the wrapper never handles USR1 itself, so the held USR1 goes to the first of its
+    # children that does, and the trainer saves and stops. (Forwarded to the wrapper, USR1 would
+    # kill it; held for the wrapper alone, it never arrives and the trainer runs to the deadline.)
+    import sys
+
+    wrapper = tmp_path / "wrapped-python"
+    wrapper.write_text(f'#!/bin/sh\n{sys.executable} "$@"\nexit $?\n')
+    wrapper.chmod(0o755)
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", "wrapped",
+          "--set", f"site.trainer_python={wrapper}", "--set", "args.steps=400", "--set", "args.step_time_s=0.2",
+          "--max-segments", "3")
+    rdir = run_dir("wrapped")
+    queue = rdir / ".queue" / "1.json"
+    wait_until(lambda: "smoke: segment 1 starts" in _log(rdir) and queue.exists()
+               and "pgid" in json.loads(queue.read_text() or "{}"), 300, "the wrapped trainer's first step",
+               describe=lambda: _log(rdir))
+    os.kill(json.loads(queue.read_text())["pgid"], signal.SIGUSR1)  # to the batch shell, as Slurm's B:USR1
+    wait_until(lambda: run_state("wrapped")["segments"][0].get("rc") is not None, 60,
+               "segment 1 to stop at the USR1 (not at its 3-minute deadline)", describe=lambda: _log(rdir))
+    log, first = _log(rdir), run_state("wrapped")["segments"][0]
+    assert (first["state"], first["rc"]) == ("CONTINUE", 85), (first, log)
+    assert "(SIGUSR1)" in log.split("smoke: stopping for continuation at step", 1)[1].splitlines()[0], log
+    hpcrl("cancel", "wrapped")

@@ -214,7 +214,9 @@ rm -f "$rc_file"
 runner=""
 # A trainer still starting (its interpreter importing, no USR1 handler yet) would die of USR1, the
 # default action, and the segment would read as failed (exit 138): the USR1 waits until the trainer
-# catches it (SigCgt in /proc/PID/status), or exits. TERM goes at once (stop now).
+# catches it (SigCgt in /proc/PID/status), or exits. A site.trainer_python that is a wrapper script
+# running Python as its child (no exec) never catches it: then the first of its children that
+# does gets it. TERM goes at once (stop now).
 usr1=$(kill -l USR1)
 catches() {
   local mask
@@ -229,7 +231,9 @@ forward() {
       kill "-$1" "$pid" 2>/dev/null
     else
       ( while kill -0 "$pid" 2>/dev/null; do
-          if catches "$pid" "$usr1"; then kill -USR1 "$pid" 2>/dev/null; break; fi
+          for taker in "$pid" $(pgrep -P "$pid"); do
+            if catches "$taker" "$usr1"; then kill -USR1 "$taker" 2>/dev/null; break 2; fi
+          done
           sleep 0.2
         done ) &
     fi
