@@ -20,6 +20,28 @@ def _log(rdir, job_id="1") -> str:
     return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
 
 
+def _submit_wrapped(fast_local, tmp_path, name: str, body: str, steps: int):
+    """A smoke run whose site.trainer_python is a shell script running `body` ({python}: this Python)."""
+    import sys
+
+    wrapper = tmp_path / f"{name}-python"
+    wrapper.write_text("#!/bin/sh\n" + body.replace("{python}", sys.executable) + "\n")
+    wrapper.chmod(0o755)
+    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", name,
+          "--set", f"site.trainer_python={wrapper}", "--set", f"args.steps={steps}", "--set", "args.step_time_s=0.2",
+          "--max-segments", "3")
+    rdir = run_dir(name)
+    return rdir, rdir / ".queue" / "1.json"
+
+
+def _shell_known(queue) -> bool:
+    return queue.exists() and "pgid" in json.loads(queue.read_text() or "{}")
+
+
+def _signal_shell(queue, sig) -> None:
+    os.kill(json.loads(queue.read_text())["pgid"], sig)  # to the batch shell, as Slurm's B:USR1
+
+
 def test_usr1_and_term_after_the_trainer_exited_are_recorded_as_late_not_as_a_checkpoint(fast_local):
     # 180 s of walltime: the supervisor's own USR1 (4 s before the end) never comes in this test
     hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", "late",
@@ -55,24 +77,14 @@ def test_usr1_before_the_trainer_can_take_it_waits_for_its_handler(fast_local, t
     # interpreter is still starting, before it handles USR1: forwarded then, it killed the trainer
     # (exit 138, a failed segment). Here the trainer's interpreter is a wrapper that waits for a
     # file before it execs Python, so that the USR1 certainly comes first.
-    import sys
-
     go = tmp_path / "go"
-    slow = tmp_path / "slow-python"
-    slow.write_text(f'#!/bin/sh\nif [ -n "${{HPCRL_JOB_ID:-}}" ]; then\n'
-                    f'  while [ ! -e {go} ]; do sleep 0.1; done\nfi\nexec {sys.executable} "$@"\n')
-    slow.chmod(0o755)
-    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", "early",
-          "--set", f"site.trainer_python={slow}", "--set", "args.steps=6", "--set", "args.step_time_s=0.2",
-          "--max-segments", "3")
-    rdir = run_dir("early")
-    queue = rdir / ".queue" / "1.json"
+    wait_go = f'if [ -n "${{HPCRL_JOB_ID:-}}" ]; then\n  while [ ! -e {go} ]; do sleep 0.1; done\nfi\n'
+    rdir, queue = _submit_wrapped(fast_local, tmp_path, "early", wait_go + 'exec {python} "$@"', steps=6)
 
     # the wrapper runs (waiting for `go`): the shell set its traps before it started the trainer
-    wait_until(lambda: queue.exists() and "pgid" in json.loads(queue.read_text() or "{}")
-               and trainer_pids(rdir, module="hpcrl.trainers.smoke"), 300, "the segment's trainer to start",
-               describe=lambda: _log(rdir))
-    os.kill(json.loads(queue.read_text())["pgid"], signal.SIGUSR1)  # to the batch shell, as Slurm's B:USR1
+    wait_until(lambda: _shell_known(queue) and trainer_pids(rdir, module="hpcrl.trainers.smoke"), 300,
+               "the segment's trainer to start", describe=lambda: _log(rdir))
+    _signal_shell(queue, signal.SIGUSR1)
     wait_until(lambda: "hpcrl: USR1: checkpoint and stop" in _log(rdir), 60, "the shell's trap",
                describe=lambda: _log(rdir))
     assert "smoke: segment 1 starts" not in _log(rdir), "the trainer started before the USR1 (proves nothing)"
@@ -102,9 +114,9 @@ def test_a_signal_during_the_set_up_is_kept_for_the_trainer(fast_local, tmp_path
           "--set", "args.steps=6", "--set", "args.step_time_s=0.2", "--max-segments", "3")
     rdir = run_dir("setup")
     queue = rdir / ".queue" / "1.json"
-    wait_until(lambda: ready.exists() and queue.exists() and "pgid" in json.loads(queue.read_text() or "{}"),
-               300, "the segment's set-up line", describe=lambda: _log(rdir))
-    os.kill(json.loads(queue.read_text())["pgid"], getattr(signal, f"SIG{sig}"))  # to the batch shell, as Slurm's B:
+    wait_until(lambda: ready.exists() and _shell_known(queue), 300, "the segment's set-up line",
+               describe=lambda: _log(rdir))
+    _signal_shell(queue, getattr(signal, f"SIG{sig}"))
     go.touch()
     if sig == "TERM":
         wait_until(lambda: run_state("setup")["segments"][0].get("rc") is not None, 120, "segment 1's end",
@@ -130,20 +142,10 @@ def test_usr1_reaches_the_trainer_under_a_wrapper_that_does_not_exec(fast_local,
     # its child: the wrapper never handles USR1 itself, so the held USR1 goes to the first of its
     # children that does, and the trainer saves and stops. (Forwarded to the wrapper, USR1 would
     # kill it; held for the wrapper alone, it never arrives and the trainer runs to the deadline.)
-    import sys
-
-    wrapper = tmp_path / "wrapped-python"
-    wrapper.write_text(f'#!/bin/sh\n{sys.executable} "$@"\nexit $?\n')
-    wrapper.chmod(0o755)
-    hpcrl("submit", "--site", fast_local, "--trainer", "smoke", "--hours", "0.05", "--name", "wrapped",
-          "--set", f"site.trainer_python={wrapper}", "--set", "args.steps=400", "--set", "args.step_time_s=0.2",
-          "--max-segments", "3")
-    rdir = run_dir("wrapped")
-    queue = rdir / ".queue" / "1.json"
-    wait_until(lambda: "smoke: segment 1 starts" in _log(rdir) and queue.exists()
-               and "pgid" in json.loads(queue.read_text() or "{}"), 300, "the wrapped trainer's first step",
-               describe=lambda: _log(rdir))
-    os.kill(json.loads(queue.read_text())["pgid"], signal.SIGUSR1)  # to the batch shell, as Slurm's B:USR1
+    rdir, queue = _submit_wrapped(fast_local, tmp_path, "wrapped", '{python} "$@"\nexit $?', steps=400)
+    wait_until(lambda: "smoke: segment 1 starts" in _log(rdir) and _shell_known(queue), 300,
+               "the wrapped trainer's first step", describe=lambda: _log(rdir))
+    _signal_shell(queue, signal.SIGUSR1)
     wait_until(lambda: run_state("wrapped")["segments"][0].get("rc") is not None, 60,
                "segment 1 to stop at the USR1 (not at its 3-minute deadline)", describe=lambda: _log(rdir))
     log, first = _log(rdir), run_state("wrapped")["segments"][0]
