@@ -117,7 +117,16 @@ def job_env() -> dict:
 
 def segment_metrics(run_dir: Path, segment: int) -> list[dict]:
     path = run_dir / "verl-metrics" / f"segment-{segment:03d}.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    out = []
+    for i, ln in enumerate(lines):
+        try:
+            out.append(json.loads(ln))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+            # the last line of a segment killed (or read) mid-write
+    return out
 
 
 def trained_steps(records) -> list[int]:
@@ -146,54 +155,77 @@ def no_ray_left():
     wait_until(lambda: not ray_processes(), 60, "the run's Ray processes to exit", poll=1, describe=ray_processes)
 
 
-def test_ppo_saves_by_the_deadline_and_resumes_exactly(home, verl_python, tiny, tmp_path):
+def tracker_step(run) -> int:
+    """The step verl's tracker names (0: none yet, or caught mid-replace)."""
+    try:
+        return int((run.layout.checkpoints / TRACKER).read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def test_ppo_saves_by_the_deadline_survives_a_hard_kill_and_resumes_exactly(home, verl_python, tiny, tmp_path):
+    import signal
+
+    from helpers import wait_until
     from hpcrl.runs import Run
 
     # PPO (GAE): the critic trains and is saved and restored beside the actor. (GRPO across
-    # deadlines, chained by hpcrl itself: test_verl_tier_slurm.py; GRPO killed: below.)
-    # Segment 1 has 4.8 minutes for 128 steps (8 epochs) of at least STEP_DELAY_S each (the
-    # double's delay, inside verl's step timer): 256 s of delay alone, after a start-up of ~55 s
-    # and a ~20 s first step, so they never all fit however fast the machine, yet there is room
-    # for start-up and a save by the deadline under heavy load (3-minute segments saved nothing
-    # once). verl saves by the deadline (ESI) and the segment exits 85; max_segments 1 stops the
-    # run there. `resume --hours 0.5` then gives segment 2 thirty minutes for the rest (~120 x
-    # 7 s + 3 min start-up = 17 min under heavy load; quiet, ~4 minutes). The delay, not the
-    # step count, fills the segment: 384 steps did, and the verl tiers were half the suite's CPU.
+    # deadlines, chained by hpcrl itself: test_verl_tier_slurm.py.) Three segments of one run, one
+    # verl start-up each (~100 CPU-s: the deadline and the hard kill share a run instead of two):
+    # 1. 4.8 minutes for 128 steps (8 epochs) of at least STEP_DELAY_S each (the double's delay,
+    #    inside verl's step timer): 256 s of delay alone, after a start-up of ~55 s and a ~20 s
+    #    first step, so they never all fit however fast the machine, yet there is room for
+    #    start-up and a save by the deadline under heavy load (3-minute segments saved nothing
+    #    once). verl saves by the deadline (ESI) and the segment exits 85; max_segments 1 stops
+    #    the run there. The delay, not the step count, fills the segment: 384 steps did, and the
+    #    verl tiers were half of the suite's CPU.
+    # 2. `resume --hours 0.5` (30 minutes for the rest): once a periodic save (every 4 steps) is
+    #    past segment 1's and two steps ran past it, every process of the segment is killed (a
+    #    node failure: no signal the trainer could act on).
+    # 3. The successor resumes from that periodic checkpoint and completes.
     total = 8 * STEPS_PER_EPOCH
     submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.08,
-           args={"total_epochs": 8, "save_freq": 1000, "critic_lr": 1e-5}, max_segments=1,
+           args={"total_epochs": 8, "save_freq": 4, "critic_lr": 1e-5}, max_segments=1,
            overrides=CRITIC_CPU_OVERRIDES, env={"HPCRL_TEST_VERL_STEP_DELAY_S": STEP_DELAY_S})
     state = wait_for_run("vppo", timeout=600, poll=2)
     run = Run.by_id("vppo")
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", (state, log_tails(run.dir))
-    first = int((run.layout.checkpoints / TRACKER).read_text())
+    first = tracker_step(run)
     assert (run.layout.checkpoints / f"global_step_{first}" / "critic").is_dir()  # the critic saved too
-    hpcrl("resume", "vppo", "--hours", "0.5", "--max-segments", "2", env=job_env())
+    hpcrl("resume", "vppo", "--hours", "0.5", "--max-segments", "3", env=job_env())
+    wait_until(lambda: tracker_step(run) > first
+               and max(trained_steps(segment_metrics(run.dir, 2)) or [0]) >= tracker_step(run) + 2, 900,
+               "a periodic save in segment 2 and two steps past it", poll=1, describe=lambda: log_tails(run.dir))
+    pids = job_processes(run.layout.script, "vppo")
+    assert len(pids) > 3, pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    killed_at = tracker_step(run)
+    # (the successor starts at once with the same RAY_TMPDIR: leftovers are checked once the run ends)
     state = wait_for_run("vppo", timeout=2000, poll=2)
-    segs = [s for s in state["segments"] if s.get("rc") is not None]
     assert state["state"] == "COMPLETED", (state, log_tails(run.dir))
-    assert [s["rc"] for s in segs] == [85, 0], (segs, log_tails(run.dir))
-    steps, seen_val = [], []
-    for n in range(1, len(segs) + 1):
-        records = segment_metrics(run.dir, n)
-        seen_val.append(any(r["step"] == 0 and "val-core/countdown/acc/mean@1" in r["data"] for r in records))
-        mine = trained_steps(records)
-        if steps:
-            # the tracker named the last step of the previous segment; this one starts right after
-            assert mine[0] == steps[-1] + 1, (n, mine[:3], steps[-3:])
-        else:
-            steps_in_first = mine[-1]
-        steps += mine
-    assert steps == list(range(1, total + 1))
-    assert segs[0]["end_step"] == steps_in_first, segs  # the tracker at the deadline named its last step
-    assert seen_val[0] and not any(seen_val[1:]), "validation before training in segment 1 only"
+    ran = [s for s in state["segments"] if s.get("started")]
+    assert [s["state"] for s in ran] == ["CONTINUE", "LOST", "COMPLETE"], (ran, log_tails(run.dir))
+    assert ran[0]["rc"] == 85 and ran[2]["rc"] == 0, ran
+    records = [segment_metrics(run.dir, n) for n in (1, 2, 3)]
+    seg1, seg2, seg3 = (trained_steps(r) for r in records)
+    assert seg1 == list(range(1, seg1[-1] + 1)) and ran[0]["end_step"] == seg1[-1], (ran[0], seg1[-3:])
+    assert seg2[0] == seg1[-1] + 1 and seg2[-1] >= killed_at > seg1[-1], (seg2[:3], seg2[-3:], killed_at)
+    assert seg3[0] == killed_at + 1, (seg3[:3], killed_at)  # from the periodic save, not from segment 1's
+    assert seg1 + [n for n in seg2 if n <= killed_at] + seg3 == list(range(1, total + 1))
+    seen_val = [any(r["step"] == 0 and "val-core/countdown/acc/mean@1" in r["data"] for r in recs) for recs in records]
+    assert seen_val == [True, False, False], "validation before training in segment 1 only"
     ckpt = run.layout.checkpoints
     assert (ckpt / TRACKER).read_text().strip() == str(total)
     assert (ckpt / f"global_step_{total}" / "actor").is_dir() and (ckpt / f"global_step_{total}" / "critic").is_dir()
-    critic_loss = [r["data"].get("critic/vf_loss") for r in segment_metrics(run.dir, 2) if "timing_s/step" in r["data"]]
-    assert all(isinstance(v, (int, float)) for v in critic_loss), "the critic trained at every step of segment 2"
+    critic_loss = [r["data"].get("critic/vf_loss") for r in records[2] if "timing_s/step" in r["data"]]
+    assert all(isinstance(v, (int, float)) for v in critic_loss), "the critic trained at every step of segment 3"
     good = json.loads(hpcrl("status", "vppo", "--json").stdout)[0]["goodput"]
-    assert [g["k"] for g in good if g["goodput"] is not None] == [1, 2], good  # verl's goodput, as builtin's
+    assert [g["k"] for g in good if g["goodput"] is not None] == [1, 2, 3], good  # verl's goodput, as builtin's
+    assert good[1]["lost_steps"] == seg2[-1] - killed_at, good  # the killed segment's steps past its save
     no_ray_left()
 
 
@@ -226,34 +258,3 @@ def job_processes(script: Path, name: str) -> list[int]:
         except OSError:
             continue
     return out
-
-
-def test_hard_kill_resumes_from_the_last_periodic_checkpoint(home, verl_python, tiny, tmp_path):
-    import signal
-
-    from helpers import wait_until
-    from hpcrl.runs import Run
-
-    # GRPO (PPO's own walltime path is the test above)
-    submit("vkill", "tinyzero-countdown-grpo", verl_python, tiny, tmp_path, hours=0.25,
-           args={"total_epochs": 2, "save_freq": 4})
-    run = Run.by_id("vkill")
-    # no deadline near: only save_freq saves; kill once a checkpoint exists and steps ran past it
-    wait_until(lambda: (run.layout.checkpoints / TRACKER).exists()
-               and max(trained_steps(segment_metrics(run.dir, 1)) or [0]) >= 10, 600, "step 10 of segment 1",
-               poll=1)
-    pids = job_processes(run.layout.script, "vkill")
-    assert len(pids) > 3, pids
-    for pid in pids:  # a node failure: no signal the trainer could act on
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    killed_at = int((run.layout.checkpoints / TRACKER).read_text())
-    # (the successor starts at once with the same RAY_TMPDIR: leftovers are checked once the run ends)
-    state = wait_for_run("vkill", timeout=900, poll=2)
-    assert state["state"] == "COMPLETED", state
-    second = trained_steps(segment_metrics(run.dir, 2))
-    assert second[0] == killed_at + 1 and second[-1] == 2 * STEPS_PER_EPOCH, second
-    assert (run.layout.checkpoints / f"global_step_{2 * STEPS_PER_EPOCH}" / "actor").is_dir()
-    no_ray_left()

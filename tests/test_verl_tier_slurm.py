@@ -40,13 +40,13 @@ def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resu
             "args.overrides": json.dumps(overrides)}
     # 10,000 steps never finish: each of the two segments must end by its deadline (verl's ESI
     # save, exit 85), however fast this machine is today; max_segments then stops the run. Each
-    # step waits STEP_DELAY_S (the CPU double) so that a segment is a few dozen steps of CPU,
-    # not hundreds.
+    # step waits 2 x STEP_DELAY_S (the CPU double) so that a segment is a few dozen steps of CPU,
+    # not hundreds: time, not steps, fills these segments.
     sets.update({f"args.{k}": ("null" if v is None else v) for k, v in {**TINY_ARGS, "total_training_steps": 10_000,
                                                                          "total_epochs": 1000, "save_freq": 1000}.items()})
     # wandb offline (no network): verl's own tracking in its Ray actor writes a run per segment
     sets.update({f"env.{k}": v for k, v in {**CPU_ENV, "WANDB_MODE": "offline",
-                                            "HPCRL_TEST_VERL_STEP_DELAY_S": STEP_DELAY_S}.items()})
+                                            "HPCRL_TEST_VERL_STEP_DELAY_S": 2 * STEP_DELAY_S}.items()})
     sets["args.logger"] = "wandb"
     # 6-minute segments: under heavy load verl's start-up alone took a 3-minute one, and once all
     # of a 4.8-minute one (CI runs; the first segment was killed at its walltime, exit 134)
