@@ -59,6 +59,9 @@ class SlurmCluster:
 # `uses_ray("slurm-nodes")` the test cluster nodes' namespaces (both Slurm Ray tests). tests/conftest.py
 # applies them.
 CLUSTER_LOCK = Path("/tmp/hpcrl-slurm-tests.lock")
+# How long a job that needs both test-cluster nodes may wait for them: the tiers' Slurm verl run
+# holds one for two 6-minute segments (a two-node job queued behind it for 10 minutes in a quiet run)
+BOTH_NODES_WAIT_S = 900
 RAY_LOCKS = {"host": Path("/tmp/hpcrl-ray-host.lock"), "slurm-nodes": Path("/tmp/hpcrl-ray-slurm-nodes.lock")}
 
 

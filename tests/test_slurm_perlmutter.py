@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from helpers import ROOT, hpcrl, read_metrics, started, wait_for_run, wait_until
+from slurm_fixture import BOTH_NODES_WAIT_S
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 ONE_MIN = "0.0167"
@@ -147,6 +148,8 @@ def test_perlmutter_profile_smoke_chain_on_regular_completes_with_sacct_telling_
     assert re.fullmatch(r"\d+", first)
 
 
+@pytest.mark.both_nodes
+@pytest.mark.timeout(420 + BOTH_NODES_WAIT_S)
 def test_two_nodes_own_hostnames_module_in_srun_tasks_and_epilog_ends_leftovers(pm_cluster, tmp_path):
     """What multi-node jobs rely on: srun task i on node i with that node's hostname and address,
     `module load python` inside srun tasks, and (Perlmutter's cgroups) no process outliving its job."""
@@ -158,9 +161,10 @@ srun bash -c 'module load python; echo "task $SLURM_PROCID $(hostname) $(hostnam
 srun -w nid002 -N 1 -n 1 bash -c 'setsid sleep 300 </dev/null >/dev/null 2>&1 & echo "left $!"'
 """)
     job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
-    # both nodes at once: it may queue behind the tiers' Slurm verl run, whose segments hold the
-    # nodes ~10 minutes (300 s ran out once with the job PENDING)
-    wait_until(lambda: _sacct("-j", job) and _sacct("-j", job)[0]["State"] == "COMPLETED", 1500, f"job {job}",
+    # both nodes at once: it may queue behind the tiers' Slurm verl run (300 s ran out once with the
+    # job PENDING, and the module's 420 s timeout once)
+    wait_until(lambda: _sacct("-j", job) and _sacct("-j", job)[0]["State"] == "COMPLETED", BOTH_NODES_WAIT_S + 60,
+               f"job {job}",
                poll=0.5, describe=lambda: _sacct("-j", job))
     text = out.read_text()
     addr = {n: subprocess.run(["scontrol", "show", "node", n], capture_output=True, text=True).stdout

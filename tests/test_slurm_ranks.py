@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from helpers import hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_until
+from slurm_fixture import BOTH_NODES_WAIT_S
 from hpcrl.runs import Run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
@@ -83,6 +84,8 @@ def _steps(run_id: str) -> list[int]:
     return [m["step"] for m in read_metrics(run_dir(run_id)) if m.get("phase") in ("sft", "train")]
 
 
+@pytest.mark.both_nodes
+@pytest.mark.timeout(420 + BOTH_NODES_WAIT_S)
 def test_two_nodes_one_rank_each_through_segments_to_completion(ranks_site, pm_cluster, tmp_path):
     head, other = pm_cluster.nodes[:2]
     ranks_site.append("ranks2n")
@@ -90,7 +93,7 @@ def test_two_nodes_one_rank_each_through_segments_to_completion(ranks_site, pm_c
           "--nodes", "2", "--hours", "0.05", "--name", "ranks2n")
     # a rank on each node (the trainer logs no host: look at the processes)
     wait_until(lambda: _ranks_in(pm_cluster.netns(other), "ranks2n") and _ranks_in(pm_cluster.netns(head), "ranks2n"),
-               120, "a trainer rank on each node")
+               BOTH_NODES_WAIT_S, "a trainer rank on each node")
     wait_until(lambda: len(_steps("ranks2n")) >= 100, 120, "step 100")
     # The walltime's warning, now rather than in 2.5 minutes (whatever this machine's speed): USR1 to
     # the batch shell, exactly as the job's own --signal=B:USR1 delivers it
@@ -116,6 +119,8 @@ def test_two_nodes_one_rank_each_through_segments_to_completion(ranks_site, pm_c
     assert not _ranks_in(pm_cluster.netns(head), "ranks2n") and not _ranks_in(pm_cluster.netns(other), "ranks2n")
 
 
+@pytest.mark.both_nodes
+@pytest.mark.timeout(420 + BOTH_NODES_WAIT_S)
 def test_rank_killed_on_the_second_node_fails_the_segment_and_resume_on_one_node_continues(ranks_site, pm_cluster,
                                                                                             tmp_path):
     head, other = pm_cluster.nodes[:2]
@@ -123,7 +128,8 @@ def test_rank_killed_on_the_second_node_fails_the_segment_and_resume_on_one_node
     hpcrl("submit", _spec(tmp_path, "ranks2k", total_steps=598, save_every=50), "--site", "tcranks", "--nodes", "2",
           "--hours", "0.05", "--name", "ranks2k", "--max-segments", "1")
     rdir = run_dir("ranks2k")
-    victims = wait_until(lambda: _ranks_in(pm_cluster.netns(other), "ranks2k"), 120, f"the rank on {other}")
+    victims = wait_until(lambda: _ranks_in(pm_cluster.netns(other), "ranks2k"), BOTH_NODES_WAIT_S,
+                         f"the rank on {other}")
     wait_until(lambda: len(_steps("ranks2k")) >= 120, 120, "a periodic checkpoint and more steps")
     for pid in victims:
         os.kill(pid, signal.SIGKILL)  # the rank on the second node dies: no trap, no save
