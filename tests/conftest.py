@@ -24,12 +24,12 @@ def _slurm_locks(request):
     node = request.node
     slurm = node.get_closest_marker("slurm") and not node.get_closest_marker("stops_slurmctld")
     ray = node.get_closest_marker("uses_ray")
-    if node.get_closest_marker("both_nodes"):
-        # a job on both nodes waits for the Slurm verl run (on one of them for two 6-minute
-        # segments) before it is queued: queued beside it, its reservation of the other node
-        # held every later one-node job back from the main scheduler, and their tests timed out
-        ray = pytest.mark.uses_ray("slurm-nodes").mark
-    if not slurm and not ray:
+    # a local Ray (the verl tier) too: it shares this machine's ports with the Slurm ones. A job on
+    # both nodes waits for the Slurm verl run (on one of them for two 6-minute segments) before it
+    # is queued: queued beside it, its reservation of the other node held every later one-node job
+    # back from the main scheduler, and their tests timed out
+    network = ray.args if ray else ("slurm-nodes",) if node.get_closest_marker("both_nodes") else None
+    if not slurm and network is None:
         yield
         return
     from slurm_fixture import cluster_shared, ray_to_myself
@@ -37,10 +37,10 @@ def _slurm_locks(request):
     with contextlib.ExitStack() as stack:
         if slurm:
             stack.enter_context(cluster_shared())
-        if ray:  # a local Ray (the verl tier) too: it shares this machine's ports with the Slurm ones
-            if ray.args == ("slurm-nodes",) and not node.get_closest_marker("both_nodes"):
+        if network is not None:
+            if ray and ray.args == ("slurm-nodes",):
                 _wait_for_the_light_ray_files()
-            stack.enter_context(ray_to_myself(*ray.args))
+            stack.enter_context(ray_to_myself(*network))
         yield
 
 
