@@ -25,9 +25,9 @@ def _slurm_locks(request):
     slurm = node.get_closest_marker("slurm") and not node.get_closest_marker("stops_slurmctld")
     ray = node.get_closest_marker("uses_ray")
     # a local Ray (the verl tier) too: it shares this machine's ports with the Slurm ones. A job on
-    # both nodes waits for the Slurm verl run (on one of them for two 6-minute segments) before it
-    # is queued: queued beside it, its reservation of the other node held every later one-node job
-    # back from the main scheduler, and their tests timed out
+    # both nodes is queued only when no other test's is (the Ray tests' two-node jobs included): a
+    # two-node job pending behind a busy node reserves the other one, which held every later
+    # one-node job back from the main scheduler, and their tests timed out
     network = ray.args if ray else ("slurm-nodes",) if node.get_closest_marker("both_nodes") else None
     if not slurm and network is None:
         yield
@@ -38,8 +38,6 @@ def _slurm_locks(request):
         if slurm:
             stack.enter_context(cluster_shared())
         if network is not None:
-            if ray and ray.args == ("slurm-nodes",):
-                _wait_for_the_light_ray_files()
             stack.enter_context(ray_to_myself(*network))
         yield
 
@@ -52,15 +50,16 @@ def _slurm_locks(request):
 # beside a busy neighbour, as it must beside any user's. pytest run by hand without the variable
 # runs everything in one session. Within a phase, files that run longest go to the xdist workers
 # first (scripts/test turns off xdist's own order, which sorts files by their number of tests and
-# so started the verl tier, 3 tests and ~8 minutes, last). The Slurm verl run holds the Slurm
-# nodes' Ray lock: the two short Ray tests that share it wait for it (tests/slurm_fixture.py).
+# so started the verl tier, 3 tests and ~8 minutes, last). No light test waits for a tier: the
+# Slurm verl run has a node of its own (tests/slurm_fixture.py's locks; test_quick.py checks it).
 #
 # The tiers' order is for xdist's loadfile scheduler, which hands a worker its next file as soon as
 # the worker has two tests or fewer left (not when it is free): within a file the slow tests go
 # first (else SmolLM2's three quick checks made its worker take two more files at once, and it
-# ran ~1900 s).
-TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_demo.py", "test_verl_tier_slurm.py",
-         "test_vllm_tier.py")
+# ran ~1900 s). A one-test file takes its successor at once: the vLLM tier goes before the Slurm
+# verl run (one test, ~13 minutes), not after it on the same worker while another stands idle.
+TIERS = ("test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_demo.py", "test_vllm_tier.py",
+         "test_verl_tier_slurm.py")
 PHASES = ("light", "tiers")
 
 
@@ -160,15 +159,15 @@ def pytest_collection_modifyitems(config, items):
     def rank(path: str):
         name = path.rsplit("/", 1)[-1]
         first = TIERS.index(name) if name in TIERS else len(TIERS)
-        # the light files with Ray tests first: they share a Ray lock with a tier (the verl tier's
-        # local Ray, the Slurm verl run's), and taken early it is theirs before the tiers' runs,
-        # which hold it ~10 minutes each, begin; taken late, a light worker waited for them
-        ray = 0 if any(i.get_closest_marker("uses_ray") for i in by_file[path]) else 1
+        # a file that stops slurmctld first: that test waits until no other Slurm test runs, and
+        # the tiers' Slurm verl run (~13 minutes) begins ~8 minutes in; later, a light worker
+        # could stand idle for all of it
+        alone = 0 if any(i.get_closest_marker("stops_slurmctld") for i in by_file[path]) else 1
         # then the longest first (FILE_SECONDS; a file not measured yet counts as long, 600 s), so
         # that the last file a worker takes is a short one: sorted by number of tests, as xdist
         # does, test_dist.py (19 tests, ~900 s) started a third of the way in and ended last
         rel = path.removeprefix("tests/")
-        return (first, ray, -seconds.get(rel, 600.0), -len(by_file[path]), path)
+        return (first, alone, -seconds.get(rel, 600.0), -len(by_file[path]), path)
 
     def order(path: str) -> list:  # in the tiers the slow tests first; elsewhere the file's own order
         its = by_file[path]
@@ -238,7 +237,6 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_runtest_logreport(report):
-    gate_report(report)
     where = os.environ.get("HPCRL_TEST_TIMES")
     if not where or os.environ.get("PYTEST_XDIST_WORKER"):
         return
@@ -247,65 +245,3 @@ def pytest_runtest_logreport(report):
                       report.outcome, report.when, report.nodeid])
     with open(Path(where) / f"{_phase_name()}.tsv", "a", encoding="utf-8") as f:
         f.write(line + "\n")
-
-
-# The Slurm nodes' Ray lock goes to the light phase first. Both phases start together; the light
-# phase's short Ray files on the Slurm nodes (LIGHT_SLURM_RAY_FILES, ~2 minutes, ordered first)
-# must have the lock before the tiers' Slurm verl run (~13 minutes) does: a light test that waited
-# for that run would run past its own timeout. scripts/test names one gate file for both phases
-# (HPCRL_TEST_RAY_GATE); the light phase's controller creates it once those files' tests are torn
-# down (or when the phase ends), and a tiers test waits for it, a bounded wait, before the lock.
-LIGHT_SLURM_RAY_FILES = ("tests/test_slurm_two_nodes.py", "tests/test_verl_ray.py")
-GATE_WAIT_S = 900
-_gate_pending: set[str] | None = None
-
-
-def _gate(phase: str) -> Path | None:
-    path = os.environ.get("HPCRL_TEST_RAY_GATE")
-    return Path(path) if path and os.environ.get("HPCRL_TEST_PHASE") == phase else None
-
-
-def _open_gate() -> None:
-    gate = _gate("light")
-    if gate is not None:
-        gate.touch()
-
-
-def gate_watch(nodeids) -> None:
-    """The light phase's controller: the tests to wait for, from the phase's collection."""
-    global _gate_pending
-    if _gate_pending is None and _gate("light") is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
-        _gate_pending = {n for n in nodeids if n.split("::")[0] in LIGHT_SLURM_RAY_FILES}
-        if not _gate_pending:
-            _open_gate()
-
-
-def gate_report(report) -> None:
-    if _gate_pending and report.when == "teardown" and report.nodeid in _gate_pending:
-        _gate_pending.discard(report.nodeid)
-        if not _gate_pending:
-            _open_gate()
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node, ids):  # the xdist controller's view of the collection
-    gate_watch(ids)
-
-
-def pytest_collection_finish(session):  # without xdist the one process collects and runs
-    if not getattr(session.config.option, "numprocesses", None):
-        gate_watch([item.nodeid for item in session.items])
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        _open_gate()  # whatever happened to the light phase, the tiers are not held back by it
-
-
-def _wait_for_the_light_ray_files() -> None:
-    import time
-
-    gate = _gate("tiers")
-    end = time.monotonic() + GATE_WAIT_S
-    while gate is not None and not gate.exists() and time.monotonic() < end:
-        time.sleep(1)

@@ -43,6 +43,11 @@ class SlurmCluster:
     def nodes(self) -> list[str]:
         return [n for n in self.env.get("HPCRL_SLURM_NODES", "").split(",") if n]
 
+    @property
+    def tier_partition(self) -> str | None:
+        """The partition of the node kept for the tiers' long Slurm verl run (scripts/slurm-cluster)."""
+        return self.env.get("HPCRL_SLURM_TIER_PARTITION") or None
+
     def netns(self, node: str) -> str:
         """The network namespace (a path) that node's slurmd and its jobs run in."""
         pairs = dict(p.split("=", 1) for p in self.env.get("HPCRL_SLURM_NETNS", "").split(",") if "=" in p)
@@ -56,13 +61,16 @@ class SlurmCluster:
 # cluster (marker uses_ray) run one at a time per network namespace: Ray's fixed ports (dashboard
 # agent, the two-node test's head) and the Ray tests' own checks for daemons left behind see one
 # namespace. `uses_ray` alone is this machine's own network (the verl tier);
-# `uses_ray("slurm-nodes")` the test cluster nodes' namespaces (both Slurm Ray tests). tests/conftest.py
-# applies them.
+# `uses_ray("slurm-nodes")` the namespaces of the default partition's two nodes (the light phase's
+# Slurm Ray tests, and the tests marked both_nodes, which queue a job on both);
+# `uses_ray("slurm-tier")` the tier partition's node (the tiers' Slurm verl run, alone there).
+# tests/conftest.py applies them.
 CLUSTER_LOCK = Path("/tmp/hpcrl-slurm-tests.lock")
-# How long a job that needs both test-cluster nodes may wait for them: the tiers' Slurm verl run
-# holds one for two 6-minute segments (a two-node job queued behind it for 10 minutes in a quiet run)
-BOTH_NODES_WAIT_S = 900
-RAY_LOCKS = {"host": Path("/tmp/hpcrl-ray-host.lock"), "slurm-nodes": Path("/tmp/hpcrl-ray-slurm-nodes.lock")}
+# How long a job that needs both default-partition nodes may wait for them behind the one-node jobs
+# of the Slurm tests beside it (the long Slurm verl run has a node of its own: scripts/slurm-cluster)
+BOTH_NODES_WAIT_S = 600
+RAY_LOCKS = {"host": Path("/tmp/hpcrl-ray-host.lock"), "slurm-nodes": Path("/tmp/hpcrl-ray-slurm-nodes.lock"),
+             "slurm-tier": Path("/tmp/hpcrl-ray-slurm-tier.lock")}
 
 
 @contextlib.contextmanager

@@ -93,56 +93,26 @@ def test_the_measured_file_times_name_files_that_exist_and_order_the_longest_fir
     assert files == sorted(files, key=lambda f: -seconds[f.removeprefix("tests/")]), files
 
 
-def test_the_light_ray_files_are_the_light_files_that_take_the_slurm_nodes_ray_lock():
-    """The gate that gives the Slurm nodes' Ray lock to the light phase first waits for these files:
-    one that took the lock and is not listed would race the tiers' Slurm verl run for it."""
-    marker = "pytest.mark." + 'uses_ray("slurm-nodes")'  # (split: this file would match itself)
-    marked = sorted(f"tests/{p.relative_to(TESTS_DIR).as_posix()}" for p in TESTS_DIR.rglob("test_*.py")
-                    if marker in p.read_text(encoding="utf-8") and p.name not in TIERS)
-    assert marked == sorted(_top.LIGHT_SLURM_RAY_FILES)
+def _ray_networks(path: Path) -> set[str]:
+    """The Ray locks a test file's markers take (tests/conftest.py's _slurm_locks): uses_ray(NETWORK),
+    uses_ray alone ("host"), both_nodes ("slurm-nodes")."""
+    import re
+
+    text = path.read_text(encoding="utf-8")
+    nets = {m or "host" for m in re.findall(r'pytest\.mark\.uses_ray(?:\("([a-z-]+)"\))?', text)}
+    return nets | ({"slurm-nodes"} if "pytest.mark.both_nodes" in text else set())
 
 
-class _Report:
-    def __init__(self, nodeid, when="teardown"):
-        self.nodeid, self.when = nodeid, when
+def test_no_light_test_shares_a_ray_lock_with_a_tier():
+    """The phases run side by side: a light test that waited for a tier's run (~13 minutes holding
+    its lock) idled its worker for it, and ran past its own timeout under load."""
+    from slurm_fixture import RAY_LOCKS
 
-
-def test_the_gate_opens_once_the_light_ray_files_are_torn_down_or_the_phase_ends(tmp_path, monkeypatch):
-    gate = tmp_path / "gate"
-    monkeypatch.setenv("HPCRL_TEST_RAY_GATE", str(gate))
-    monkeypatch.setenv("HPCRL_TEST_PHASE", "light")
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    ray_a, ray_b = (f"{f}::test_a" for f in _top.LIGHT_SLURM_RAY_FILES)
-    monkeypatch.setattr(_top, "_gate_pending", None)
-    _top.gate_watch([ray_a, ray_b, "tests/test_cli.py::test_x"])
-    for report in (_Report("tests/test_cli.py::test_x"), _Report(ray_a, "call"), _Report(ray_a)):
-        _top.gate_report(report)
-        assert not gate.exists(), "a Ray file's test is still to run: the tiers must wait"
-    _top.gate_report(_Report(ray_b))
-    assert gate.exists()
-    gate.unlink()
-    monkeypatch.setattr(_top, "_gate_pending", None)
-    _top.gate_watch(["tests/test_cli.py::test_x"])  # no Ray file selected: open at once
-    assert gate.exists()
-    gate.unlink()
-    monkeypatch.setattr(_top, "_gate_pending", None)
-    _top.gate_watch([ray_a])
-    _top.pytest_sessionfinish(None, 1)  # the phase ended (failed, interrupted) before that test's teardown
-    assert gate.exists()
-
-
-def test_a_tiers_test_waits_for_the_gate_and_not_past_its_bound(tmp_path, monkeypatch):
-    import threading
-    import time
-
-    gate = tmp_path / "gate"
-    monkeypatch.setenv("HPCRL_TEST_RAY_GATE", str(gate))
-    monkeypatch.setenv("HPCRL_TEST_PHASE", "tiers")
-    threading.Timer(1.5, gate.touch).start()
-    t0 = time.monotonic()
-    _top._wait_for_the_light_ray_files()
-    assert gate.exists() and time.monotonic() - t0 >= 1.4
-    gate.unlink()
-    monkeypatch.setattr(_top, "GATE_WAIT_S", 0.5)
-    _top._wait_for_the_light_ray_files()  # never opened: it goes on after its bound
-    assert not gate.exists()
+    files = [p for p in TESTS_DIR.rglob("test_*.py") if p.name != "test_quick.py"]
+    tiers = {p.name: _ray_networks(p) for p in files if p.name in TIERS}
+    light = {p.name: _ray_networks(p) for p in files if p.name not in TIERS}
+    assert tiers["test_verl_tier_slurm.py"] == {"slurm-tier"} and "slurm-nodes" in light["test_slurm_ranks.py"]
+    for name, nets in {**tiers, **light}.items():
+        assert nets <= set(RAY_LOCKS), (name, nets)
+    shared = {(t, n): tiers[t] & nets for t in tiers for n, nets in light.items() if tiers[t] & nets}
+    assert not shared, shared

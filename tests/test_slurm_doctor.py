@@ -65,7 +65,10 @@ def test_a_good_perlmutter_site_passes_every_check(login_node):
                         "venv"}, r.stdout
     assert all(v.startswith("PASS") for v in got.values()), r.stdout
     assert "ready (8 requirements of builtin)" in got["venv"], got["venv"]
-    assert "2 node(s) with gpu and >= 4 GPUs" in got["nodes"] and "8 QOS limits agree" in got["qos"]
+    # every GPU node of the cluster, the tier partition's one too (the profile names no partition)
+    gpu_nodes = set(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split())
+    assert len(gpu_nodes) == 3, gpu_nodes
+    assert f"{len(gpu_nodes)} node(s) with gpu and >= 4 GPUs" in got["nodes"] and "8 QOS limits agree" in got["qos"]
 
 
 @pytest.mark.parametrize("change, args, name, status, words", [
