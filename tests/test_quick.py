@@ -116,3 +116,19 @@ def test_no_light_test_shares_a_ray_lock_with_a_tier():
         assert nets <= set(RAY_LOCKS), (name, nets)
     shared = {(t, n): tiers[t] & nets for t in tiers for n, nets in light.items() if tiers[t] & nets}
     assert not shared, shared
+
+
+def test_the_venv_holds_the_bytecode_of_what_the_suite_imports():
+    """scripts/setup compiles the venv's packages and hpcrl itself: with PYTHONDONTWRITEBYTECODE set
+    (as on the test machine) pip compiles nothing and Python writes no __pycache__, and every
+    process of the suite compiled torch's sources at each import."""
+    import importlib.util
+
+    import torch
+    import torch.distributed.run
+    import transformers
+
+    import hpcrl.cli
+
+    for module in (torch, torch.distributed.run, transformers, hpcrl.cli):
+        assert Path(importlib.util.cache_from_source(module.__file__)).is_file(), module.__file__
