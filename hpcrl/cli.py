@@ -83,7 +83,7 @@ def cmd_render(ns) -> int:
 def cmd_submit(ns) -> int:
     from . import control
 
-    run = control.submit(_resolve(ns), ns.name)
+    run = control.submit(_resolve(ns), ns.name, check_artifacts=not ns.no_check_artifacts)
     state = run.state()
     job = state["segments"][-1]["job_id"] if state["segments"] else "-"
     print(f"submitted run {run.id} (job {job}) on site {state['site']}")
@@ -98,6 +98,10 @@ def cmd_venv(ns) -> int:
     from . import control, venv
     from .runs import Run
 
+    if ns.action == "prune":
+        return _venv_prune(ns)
+    if ns.yes:
+        raise HpcrlError("hpcrl venv build: --yes is for `hpcrl venv prune`; leave it out")
     if ns.run:
         if ns.spec or ns.trainer or ns.site or ns.sets:
             raise HpcrlError("hpcrl venv build: --run RUN takes the run's own spec; give either --run or a spec")
@@ -112,9 +116,51 @@ def cmd_venv(ns) -> int:
     if not venv.built_here(resolved):
         print(f"no venv to build here: site '{resolved['site']['name']}' builds it on its own machines, in the job")
         return 0
-    built = control.build_venv(resolved)
+    built = control.build_venv(resolved, check_artifacts=not ns.no_check_artifacts)
     print(f"venv {plan.path} {'built' if built else 'already ready'} ({len(plan.requirements)} requirements"
           f"{'; ' + plan.size if plan.size else ''})")
+    return 0
+
+
+def _venv_prune(ns) -> int:
+    """`hpcrl venv prune`: hpcrl's venvs in the site's venv_root that no run could still use; listed
+    with what each frees, removed only with --yes (a venv costs minutes to rebuild)."""
+    from pathlib import Path
+
+    from . import venv
+    from .render import expand_path
+    from .spec import site_as_given
+
+    if ns.run or ns.spec or ns.trainer:
+        raise HpcrlError("hpcrl venv prune: takes the site (--site, --account, --set site...), not a run or spec")
+    site = site_as_given(ns.site, ns.account, ns.sets)
+    if not site.get("venv_root"):
+        print(f"no venvs to prune: site '{site['name']}' has no venv_root")
+        return 0
+    if not site.get("account") and any(k in str(site["venv_root"]) for k in ("{project}", "{account}")):
+        raise HpcrlError(f"site '{site['name']}': venv_root {site['venv_root']} names the project: pass --account "
+                         f"(e.g. --account m1234_g)")
+    root = Path(expand_path(site["venv_root"], site, "venv_root"))
+    found = venv.prunable(root, venv.in_use())
+    gone = [p for p in found if p.removable]
+    print(f"venv_root {root}: {len(found)} venv{'s' * (len(found) != 1)} of hpcrl, {len(found) - len(gone)} in use")
+    for p in found:
+        what = f"{p.kind}; {p.bytes / 1e9:.2f} GB, {p.inodes:,} inodes"
+        if p.removable:
+            print(f"  {'removing' if ns.yes else 'unused':<9} {p.path}  ({what})")
+        else:
+            print(f"  {'in use':<9} {p.path}  ({what}; runs {', '.join(p.used_by)})")
+    freed, inodes = sum(p.bytes for p in gone), sum(p.inodes for p in gone)
+    if not gone:
+        print("nothing to remove")
+        return 0
+    if not ns.yes:
+        print(f"would free {freed / 1e9:.2f} GB and {inodes:,} inodes; nothing removed: "
+              f"hpcrl venv prune --yes (same options) removes them")
+        return 0
+    for p in gone:
+        venv.remove(p)
+    print(f"removed {len(gone)}; freed {freed / 1e9:.2f} GB and {inodes:,} inodes")
     return 0
 
 
@@ -253,7 +299,11 @@ def cmd_watch(ns) -> int:
 
 def cmd_resume(ns) -> int:
     from . import control
+    from .runs import Run
 
+    note = control.version_note(Run.by_id(ns.run))  # said first: it may explain a refusal that follows
+    if note:
+        print(note)
     run = control.resume(ns.run, hours=ns.hours, total_hours=ns.total_hours, max_segments=ns.max_segments,
                         nodes=ns.nodes, sets=ns.sets)
     print(f"resumed run {run.id} (job {run.state()['segments'][-1]['job_id']})")
@@ -466,24 +516,41 @@ class _Commands(argparse._SubParsersAction):
         return self._name_parser_map[name]
 
 
+# hpcrl/published.py: for a site with no internet on the login side, or an index known to be fine
+NO_CHECK_HELP = ("build without first looking up, on the real indexes, each file the venv pins beyond the "
+                 "default index (hpcrl/published.py)")
+
+
 def build_parser(listing: bool = False, only: str | None = None) -> argparse.ArgumentParser:
     """listing: the top-level help is to be printed (it names the forwarded commands' sub-commands).
     only: build the arguments of this command alone (main passes the one given); None: of all."""
     p = _Parser(prog="hpcrl", description="RL post-training on batch systems with walltimes: "
                                 "render, submit, checkpoint before the walltime, resubmit, resume, watch.")
+    # hpcrl.__version__ is what pyproject builds the wheel's version from, so it is the installed
+    # distribution's version too, without importlib.metadata (its import costs start-up) and
+    # right in a source checkout run without installing
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, action=_Commands)
     sub.only = only
     for name, fn, help_ in (("submit", cmd_submit, "create a run and queue its first segment"),
                             ("render", cmd_render, "print the exact script submit would send")):
         sp = sub.add_parser(name, help=help_, description=help_)
         _add_run_options(sp)
+        if name == "submit":
+            sp.add_argument("--no-check-artifacts", action="store_true", help=NO_CHECK_HELP)
         sp.set_defaults(func=fn)
-    sp = sub.add_parser("venv", help="build the trainer's venv on this (login) node, as submit does",
-                        description="build the trainer's venv into venv_root/<hash> on this (login) node, as "
-                                    "submit does; jobs only activate it")
-    sp.add_argument("action", choices=["build"])
+    sp = sub.add_parser("venv", help="build the trainer's venv on this (login) node, as submit does; prune unused ones",
+                        description="build: the trainer's venv into venv_root/<hash> on this (login) node, as "
+                                    "submit does; jobs only activate it. prune: list the site's venvs that no "
+                                    "run could still use (every run but COMPLETED ones may run or resume), with "
+                                    "the space each frees; --yes removes them")
+    sp.add_argument("action", choices=["build", "prune"])
+    sp.add_argument("--yes", action="store_true", help="prune: remove what it lists (default: only list it)")
     _add_run_options(sp)
     sp.add_argument("--run", help="build the venv of this existing run (what its job asks for)")
+    sp.add_argument("--no-check-artifacts", action="store_true", help=NO_CHECK_HELP)
     sp.set_defaults(func=cmd_venv)
     sp = sub.add_parser("status", help="where every run stands (or one run in detail)")
     sp.add_argument("run", nargs="?", help=RUN_HELP + " (default: every run, one line each)")

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import lifecycle, protocol, runs
+from . import __version__, lifecycle, protocol, runs
 from .atomicio import atomic_write_json, atomic_write_text
 from .backends import for_site
 from .errors import BackendError, RunError, SiteError
@@ -124,7 +124,7 @@ def _write_run_dir(tmp: Path, final: Path, resolved: dict, run_id: str, script: 
     shutil.copytree(pkg, lay.lib / "hpcrl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     site, spec = resolved["site"], resolved["spec"]
     atomic_write_json(lay.state, lifecycle.new_state(run_id, site["name"], site["scheduler"], spec["trainer"],
-                                                     spec["budget"], clock()))
+                                                     spec["budget"], clock(), hpcrl_version=__version__))
 
 
 def create_run(resolved: dict, run_id: str | None = None) -> Run:
@@ -195,18 +195,25 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def build_venv(resolved: dict, say=None) -> bool:
+def build_venv(resolved: dict, say=None, check_artifacts: bool = True) -> bool:
     """The run's venv, built here unless it is ready (True when this call built it). Sites whose
-    jobs run elsewhere (TPU VMs) build it in the job instead: nothing to do here."""
+    jobs run elsewhere (TPU VMs) build it in the job instead: nothing to do here. Before a build,
+    every file the set pins beyond the default index is looked up on the real indexes for the
+    compute nodes' platform (hpcrl/published.py): a never-published wheel is refused here, in one
+    line, not found by pip mid-build or by the first segment after its queue wait."""
     from . import venv
 
     plan = venv.plan(resolved)
     if plan is None or not venv.built_here(resolved):
         return False
+    if check_artifacts and venv.readiness(plan) is not None:
+        from . import published
+
+        published.check(plan.requirements, resolved["site"], warn=_warn)
     return venv.ensure(plan, say)
 
 
-def submit(resolved: dict, run_id: str | None = None) -> Run:
+def submit(resolved: dict, run_id: str | None = None, check_artifacts: bool = True) -> Run:
     backend = _site_backend(resolved)
     check_trainer_python(resolved)
     get_trainer(resolved["spec"]["trainer"]).check_submit(resolved["spec"]["args"],
@@ -215,7 +222,7 @@ def submit(resolved: dict, run_id: str | None = None) -> Run:
         raise RunError(f"run '{run_id}' already exists; `hpcrl resume {run_id}` continues it, or pick another --name")
     # On the login side, before anything of the run exists: the job only activates it (compute
     # nodes may mount venv_root read-only), and a failed build leaves no run behind.
-    build_venv(resolved)
+    build_venv(resolved, check_artifacts=check_artifacts)
     check_trainer_imports(resolved)  # in the interpreter the job will run, now that it exists
     run = create_run(resolved, run_id)
     try:
@@ -477,6 +484,17 @@ def stop(run_id: str) -> Run:
     return run
 
 
+def version_note(run: Run) -> str | None:
+    """One line when this hpcrl is not the one that created the run: its jobs keep running the
+    creator's code (the run's lib/ snapshot) while this one builds, queues and reconciles. None
+    for the same version, and for a run made before versions were recorded (nothing to compare)."""
+    created = run.state().get("hpcrl_version")
+    if not created or created == __version__:
+        return None
+    return (f"run {run.id} was created by hpcrl {created}; resuming with {__version__} "
+            f"(its jobs keep running the {created} code in {run.layout.lib})")
+
+
 def resume(run_id: str, hours: float | None = None, total_hours: float | None = None,
            max_segments: int | None = None, nodes: int | None = None, sets: list[str] | None = None) -> Run:
     """Continue a stopped, cancelled or failed run from its last good checkpoint. New hours
@@ -503,6 +521,8 @@ def resume(run_id: str, hours: float | None = None, total_hours: float | None = 
         script_for({**resolved, "spec": {**resolved["spec"], "budget": run.state()["budget"]}}, run.id, run.dir)
     with run.locked() as state:
         actions = lifecycle.resume(state, clock(), hours, total_hours, max_segments)
+        if state.get("hpcrl_version") and state["hpcrl_version"] != __version__:
+            lifecycle.add_event(state, f"resumed with hpcrl {__version__} (created by {state['hpcrl_version']})", clock())
         if new_res is not None:
             atomic_write_json(run.layout.spec, runs.frozen_spec(resolved))
             lifecycle.add_event(state, f"resources: {_world(old_res)} -> {_world(new_res)}", clock())

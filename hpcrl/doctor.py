@@ -116,9 +116,11 @@ def _gpu_driver(site: dict, spec: dict) -> list[Check]:
 
 
 def _venv_quota(site: dict, spec: dict) -> list[Check]:
-    """venv_root's quota (gpu_stack.venv_quota_gb: Perlmutter's /global/common/software gives a project
-    ~10 GB) against what is there and the spec's venv: its resolved wheels (a floor) and the
-    installed estimate (stack.INSTALLED_PER_WHEEL x wheels)."""
+    """The spec's venv (not built yet) against what venv_root's project quota has left: read from
+    the site's quota command where it runs here (site venv_quota: cmnquota / cfsquota at NERSC;
+    what submit refuses by, hpcrl/quota.py), else against a fixed gpu_stack.venv_quota_gb, by its
+    resolved wheels (a floor) and the installed estimate (stack.INSTALLED_PER_WHEEL x wheels)."""
+    from . import quota as quotas
     from . import stack, venv
 
     quota = stack.facts(site).get("venv_quota_gb")
@@ -126,6 +128,20 @@ def _venv_quota(site: dict, spec: dict) -> list[Check]:
         plan = venv.plan({"site": site, "spec": spec})
     except HpcrlError:
         return []
+    if plan is not None and venv.readiness(plan) is not None:
+        said: list[str] = []
+        usage = quotas.read(list(plan.quota_command), plan.project, str(plan.path.parent), warn=said.append)
+        need_bytes, need_inodes, measured = plan.need
+        fix = "hpcrl venv prune (what no run uses), or another venv_root with room (--set site.venv_root=DIR)"
+        if usage is not None:
+            what = (f"project {plan.project} ({usage.command}): {max(usage.left_bytes, 0) / 1e9:.1f} GB and "
+                    f"{max(usage.left_inodes, 0):,} inodes left; the spec's venv needs ~{need_bytes / 1e9:.1f} GB, "
+                    f"~{need_inodes:,} inodes{'' if measured else ' (an empty venv: its packages not sized)'}")
+            short = quotas.shortfall(usage, need_bytes, need_inodes)
+            return [Check("venv quota", "fail", f"{what}: does not fit (submit refuses it)", fix) if short
+                    else Check("venv quota", "pass", f"{what}: fits")]
+        if said:
+            return [Check("venv quota", "warn", said[0], "run `" + " ".join(plan.quota_command) + "` yourself")]
     size = stack.size_of(site, list(plan.requirements)) if plan else None
     if not quota or plan is None or size is None or venv.readiness(plan) is None:
         return []

@@ -141,10 +141,14 @@ def stop_kind(state: dict) -> Stop | None:
 # ---------------------------------------------------------------- building blocks
 
 
-def new_state(run_id: str, site: str, scheduler: str, trainer: str, budget: dict, now: float) -> dict:
+def new_state(run_id: str, site: str, scheduler: str, trainer: str, budget: dict, now: float,
+              hpcrl_version: str | None = None) -> dict:
     """budget: hours (of each segment), hours_min, total_hours, max_segments. state.json is its one
-    owner: `resume` changes it there and every backend reads it from there."""
+    owner: `resume` changes it there and every backend reads it from there. hpcrl_version: the
+    hpcrl that created the run (its jobs run that version's code, the run's lib/ snapshot); runs
+    made before it was recorded have none."""
     return {"run_id": run_id, "state": RunState.PENDING.value, "reason": "", "stop": None, "created": now,
+            "hpcrl_version": hpcrl_version,
             "site": site, "scheduler": scheduler, "trainer": trainer, "budget": dict(budget), "segments": [],
             "no_progress": 0, "resumed_at": None, "events": []}
 

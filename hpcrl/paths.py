@@ -9,7 +9,8 @@ _PKG = Path(__file__).resolve().parent
 
 
 def _data_dir(top_level: str, package: str) -> Path:
-    # In a checkout the data sits beside the package (the design's top-level layout);
+    # In a checkout the data sits beside the package (the design's top-level layout; the links
+    # hpcrl/_<name> -> ../<name> are there for the wheel's package discovery, see pyproject.toml);
     # in an installed wheel it is the data package hpcrl._<name>.
     beside = _PKG.parent / top_level
     if beside.is_dir():

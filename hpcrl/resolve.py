@@ -11,7 +11,9 @@ never cached (the index may only have been away).
 Index options (`--extra-index-url URL`) and direct wheel URLs that this machine cannot reach
 (PyTorch's and vLLM's CUDA 12 builds) are replaced for the resolve by the same versions from the
 default index, and said so in `Resolved.substituted`: the versions are checked against each
-other, and what those builds bring in is the default index's build, not theirs.
+other, and what those builds bring in is the default index's build, not theirs. A stand-in never
+decides that the build it stands for exists: hpcrl/artifacts.yaml (cited sources) and, where the
+internet is, hpcrl/published.py (the real indexes) do.
 """
 
 from __future__ import annotations

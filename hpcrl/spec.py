@@ -54,6 +54,9 @@ SITE_DEFAULTS = {
     "setup": [],
     "python": "python3",
     "venv_root": None,
+    # per file system, the command that reports a project's quota there (hpcrl/quota.py):
+    # [{under: PATH, command: "cmnquota {project}"}]; a venv that does not fit is refused
+    "venv_quota": [],
     "outputs": None,
     "env": {},
     "signal_lead_s": 120,

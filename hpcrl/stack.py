@@ -3,21 +3,26 @@ which index (site profile key `gpu_stack`; docs/perlmutter.md).
 
 The default index serves one build per version, and since torch 2.11 / vLLM 0.24 that build is
 CUDA 13 (R580 drivers or newer; notes/gpu-stack.md). A GPU site whose driver supports CUDA 12
-states it (`driver_cuda`) and the variant its venvs install (`cuda_variant`, e.g. cu128); the
-requirement set then names that build explicitly, as each project documents it:
-- PyTorch: `--extra-index-url https://download.pytorch.org/whl/cu128` and `torch==2.11.0+cu128`
+states it (`driver_cuda`) and the variant its venvs install (`cuda_variant`, e.g. cu129); the
+requirement set then names that build explicitly, from the indexes each project publishes it on
+(every one listed, with its public source, in hpcrl/artifacts.yaml):
+- PyTorch: `--extra-index-url https://download.pytorch.org/whl/cu129` and `torch==2.11.0+cu129`
   (torchvision / torchaudio likewise): the local version can only come from that index, so pip
   cannot settle on the default index's CUDA 13 wheel.
-- vLLM: its release wheel for that CUDA (`vllm @ .../v0.24.0/vllm-0.24.0+cu128-...whl`), as vLLM's
-  GPU install guide gives for "a specific CUDA version".
+- vLLM: `--extra-index-url https://wheels.vllm.ai/0.24.0/cu129` and `vllm==0.24.0+cu129`, its
+  per-version index. vLLM publishes CUDA 12 builds as +cu129 only (vllm issue 42756: "We only
+  release cu129 and cu130 wheels"; there never was a +cu128 0.24.0 wheel). An index rather than
+  the release asset's URL: the pin says which build, pip picks the file for the node's platform
+  tags, and the login-node check (hpcrl/published.py) reads the same index page pip will.
 Explicit pins rather than uv's `--torch-backend=auto`: that picks the backend from the driver of
 the machine that builds the venv (a login node, not always the compute nodes' driver), covers
-only PyTorch's own packages (not vLLM's wheel), needs uv where the venv is built, and the rendered
-requirements would not say which build gets installed. Here the script lists exactly what is
-installed and from where, pip builds it, and the resolve test checks it.
+only PyTorch's own packages (not vLLM's wheel: with --torch-backend=cu129 alone the default CUDA 13
+vLLM wheel needs libcudart.so.13, vllm issue 44335), needs uv where the venv is built, and the
+rendered requirements would not say which build gets installed. Here the script lists exactly
+what is installed and from where, pip builds it, and the resolve test checks it.
 
-One torch for every GPU venv (2.11.0): vLLM 0.24.0 and verl 0.9.1 pin it, and its CUDA 12 builds
-are the ones vLLM's own CUDA 12 wheels are built against.
+One torch for every GPU venv (2.11.0): vLLM 0.24.0 and verl 0.9.1 pin it, and its +cu129 build is
+the one vLLM's cu129 wheels are built against (users' environments in vllm issue 44335).
 """
 
 from __future__ import annotations
@@ -25,8 +30,7 @@ from __future__ import annotations
 import re
 
 TORCH_INDEX = "https://download.pytorch.org/whl/{variant}"
-VLLM_WHEEL = ("https://github.com/vllm-project/vllm/releases/download/v{version}/"
-              "vllm-{version}+{variant}-cp38-abi3-manylinux_2_28_x86_64.whl")
+VLLM_INDEX = "https://wheels.vllm.ai/{version}/{variant}"  # vLLM's per-version index of one CUDA build
 GPU_TORCH = "2.11.0"
 TORCH_FAMILY = ("torch", "torchvision", "torchaudio")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s+;]+)$")
@@ -37,7 +41,7 @@ def facts(site: dict) -> dict:
 
 
 def variant(site: dict) -> str | None:
-    """The CUDA build a GPU venv installs on this site (cu128, ...), or None: the default
+    """The CUDA build a GPU venv installs on this site (cu129, ...), or None: the default
     index's build (a site without GPUs, or one that states no driver)."""
     if not int(site.get("gpus_per_node") or 0):
         return None
@@ -46,7 +50,7 @@ def variant(site: dict) -> str | None:
 
 
 def variant_cuda(v: str) -> str:
-    """cu128 -> '12.8'."""
+    """cu129 -> '12.9'."""
     digits = v.removeprefix("cu")
     return f"{digits[:-1]}.{digits[-1]}"
 
@@ -61,7 +65,7 @@ def pin_builds(requirements: list[str], site: dict) -> list[str]:
     v = variant(site)
     if v is None:
         return list(requirements)
-    out = []
+    out, indexes = [], [TORCH_INDEX.format(variant=v)]
     for req in requirements:
         pin = _PIN.match(req.strip())
         name = pin.group(1).lower() if pin else ""
@@ -70,16 +74,17 @@ def pin_builds(requirements: list[str], site: dict) -> list[str]:
         elif name in TORCH_FAMILY:
             out.append(f"{name}=={pin.group(2)}+{v}")
         elif name == "vllm":
-            out.append(f"vllm @ {VLLM_WHEEL.format(version=pin.group(2), variant=v)}")
+            out.append(f"vllm=={pin.group(2)}+{v}")
+            indexes.append(VLLM_INDEX.format(version=pin.group(2), variant=v))
         else:
             out.append(req)
     if out == list(requirements):  # nothing of PyTorch's or vLLM's: nothing to choose a build of
         return out
-    return [f"--extra-index-url {TORCH_INDEX.format(variant=v)}"] + out
+    return [f"--extra-index-url {url}" for url in indexes] + out
 
 
 def build_of(requirements) -> str | None:
-    """The CUDA a requirement set's torch is built for ('12.8'), or None when it does not say."""
+    """The CUDA a requirement set's torch is built for ('12.9'), or None when it does not say."""
     for req in requirements or ():
         m = re.match(r"^torch==[^+\s]+\+(cu\d+)$", str(req).strip())
         if m:
@@ -96,9 +101,11 @@ def gpu_check(site: dict, trainer) -> bool:
 
 # ------------------------------------------------------------------ sizes
 
-# Installed size over wheel size: torch 2.13.0's CPU wheel, 192 MB, unpacks to 699 MB (3.6x,
-# measured here); CUDA libraries compress less well than code. An estimate, said as one.
-INSTALLED_PER_WHEEL = 3.0
+# Installed size over wheel size, measured from every wheel's own file list (bytecode included) of
+# gsm8k-grpo's GPU set: 4.31 GB of wheels install as 10.22 GB (scripts/bench_venv_size.py,
+# BENCHMARKS.md "The GPU venv's size"; CUDA libraries unpack ~1.4x, Python code ~5-9x). Applied to
+# other sets it is an estimate, said as one.
+INSTALLED_PER_WHEEL = 2.37
 
 
 def size_key(site: dict, requirements: list[str]) -> str:

@@ -2,7 +2,7 @@
 stale): each shipped GPU recipe's venv on its site, the wheels its requirement set resolves to for
 Linux x86_64 (stack.size_key -> size). What `render`, `venv build` and `doctor` show."""
 
-SIZES: dict = {'2ca2d223d327': {'largest': [['torch', 531],
+SIZES: dict = {'7d82806332e6': {'largest': [['torch', 531],
                               ['flashinfer-cubin', 448],
                               ['nvidia-cublas', 423],
                               ['nvidia-cudnn-cu13', 366],
@@ -12,13 +12,12 @@ SIZES: dict = {'2ca2d223d327': {'largest': [['torch', 531],
                               'tinyzero-countdown-grpo',
                               'verl-gsm8k-grpo',
                               'verl-gsm8k-gspo'],
-                  'stand_ins': ['torch==2.11.0+cu128',
-                                'torchaudio==2.11.0+cu128',
-                                'torchvision==0.26.0+cu128',
-                                'vllm @ '
-                                'https://github.com/vllm-project/vllm/releases/download/v0.24.0/vllm-0.24.0+cu128-cp38-abi3-manylinux_2_28_x86_64.whl'],
-                  'wheels_bytes': 4473963170},
- '42ea3689c670': {'largest': [['torch', 531],
+                  'stand_ins': ['torch==2.11.0+cu129',
+                                'torchaudio==2.11.0+cu129',
+                                'torchvision==0.26.0+cu129',
+                                'vllm==0.24.0+cu129'],
+                  'wheels_bytes': 4474129851},
+ 'ae05ad5bfbc9': {'largest': [['torch', 531],
                               ['flashinfer-cubin', 448],
                               ['nvidia-cublas', 423],
                               ['nvidia-cudnn-cu13', 366],
@@ -29,7 +28,5 @@ SIZES: dict = {'2ca2d223d327': {'largest': [['torch', 531],
                               'countdown-grpo',
                               'mbpp-code-grpo',
                               'tinyzero-countdown-builtin'],
-                  'stand_ins': ['torch==2.11.0+cu128',
-                                'vllm @ '
-                                'https://github.com/vllm-project/vllm/releases/download/v0.24.0/vllm-0.24.0+cu128-cp38-abi3-manylinux_2_28_x86_64.whl'],
-                  'wheels_bytes': 4302957767}}
+                  'stand_ins': ['torch==2.11.0+cu129', 'vllm==0.24.0+cu129'],
+                  'wheels_bytes': 4303123907}}

@@ -62,8 +62,9 @@ def test_hours_min_maps_to_time_min_and_venv_is_hashed():
     text = render("--site", "perlmutter", "--account", "m1234_g", "--hours", "4", "--hours-min", "2",
                   "--trainer", "smoke", "--name", "v", "--set", "requirements=[numpy==2.1.0]")
     assert "#SBATCH --time-min=120" in text
-    assert "venv=/global/common/software/m1234/hpcrl/venvs/" in text
-    # built at submit on the login side: the job (compute nodes mount it read-only) writes nothing there
+    assert "venv=/global/cfs/cdirs/m1234/hpcrl/venvs/" in text  # CFS: a GPU venv outgrows Global Common's 10 GB
+    # built at submit on the login side: the job writes nothing there (Global Common, where a
+    # project with more quota may put venv_root, is read-only on compute nodes)
     assert "flock" not in text and "mkdir" not in text and "pip install" not in text
     assert "build it on a login node: \"'hpcrl venv build --run v'" in text
     # render shows the resolved requirements (trainer's, then the spec's)

@@ -9,10 +9,15 @@ dry run, not an install) against the package index this machine reaches, and fai
   local version (+cuNNN);
 - a package the trainer imports at run time (Trainer.runtime_packages) that is not installed.
 
-Where a build lives only on an index this machine cannot reach (PyTorch's +cu12x wheels on
-download.pytorch.org, vLLM's +cu12x wheels on its GitHub releases), the same versions are
-resolved from the default index, and the rendered index option and the build's CUDA tag are
-checked instead: the report below says which (it is printed, never skipped).
+Where a build lives only on an index this machine cannot reach (PyTorch's +cu129 wheels on
+download.pytorch.org, vLLM's +cu129 wheels on wheels.vllm.ai), the same versions are resolved
+from the default index, and the rendered index option and the build's CUDA tag are checked
+instead: the report below says which (it is printed, never skipped). Such a stand-in only
+simulates the install (versions against each other, what else comes in): it never decides that
+the build exists. That is the manifest's job (hpcrl/artifacts.yaml, each file with the public
+source that shows it was published; tests/test_artifacts.py fails on a render that names one it
+lacks) and, where the internet is, the login-node check against the real indexes
+(hpcrl/published.py, before `venv build` / `submit`).
 
 Resolves are cached by requirement set (~/.cache/hpcrl/resolve, or $HPCRL_RESOLVE_CACHE): the
 first run needs the package index (~20 s per distinct set), a rerun is instant.
@@ -92,7 +97,9 @@ def check_set(name: str, requirements: list[str], python: str, driver_cuda: str 
             majors[f"{pkg.name}=={pkg.version}"] = major
     problems += [f"{what} needs CUDA {major}, the site's driver supports {driver_cuda}"
                  for what, major in sorted(majors.items()) if major > driver]
-    for req, why in res.substituted.items():  # checked from the rendered options instead
+    # checked from the rendered options instead; whether the substituted build was published at
+    # all is not decided here (a stand-in resolves whatever is named): tests/test_artifacts.py
+    for req, why in res.substituted.items():
         tag = re.search(r"\+cu(\d\d)\d", req)
         if tag and int(tag.group(1)) > driver:
             problems.append(f"{req} is a CUDA {tag.group(1)} build, the site's driver supports {driver_cuda}")
@@ -168,20 +175,23 @@ def test_the_checks_catch_what_they_are_for():
     assert rs.attributed(res, "nvidia-cutlass-dsl-libs-cu13", {"vllm"})
     assert not rs.attributed(res, "torch", {"torch"}), "a requirement of the set itself is never excused"
     # unreachable index options: local-version pins and direct wheel URLs resolved as plain versions
+    # (stand-ins for the install only: whether each build exists is hpcrl/artifacts.yaml's to say)
     reqs, subs = rs.reachable_form(
-        ["--extra-index-url https://download.pytorch.org/whl/cu128", "torch==2.11.0+cu128", "numpy>=1.26",
-         "vllm @ https://github.com/vllm-project/vllm/releases/download/v0.24.0/"
-         "vllm-0.24.0+cu128-cp38-abi3-manylinux_2_28_x86_64.whl"], can_reach=lambda url: False)
-    assert reqs == ["torch==2.11.0", "numpy>=1.26", "vllm==0.24.0"] and len(subs) == 3
-    reqs, subs = rs.reachable_form(["--extra-index-url https://x/cu128", "torch==2.11.0+cu128"], can_reach=lambda u: True)
-    assert reqs == ["--extra-index-url https://x/cu128", "torch==2.11.0+cu128"] and not subs
+        ["--extra-index-url https://download.pytorch.org/whl/cu129", "--extra-index-url https://wheels.vllm.ai/0.24.0/cu129",
+         "torch==2.11.0+cu129", "numpy>=1.26", "vllm==0.24.0+cu129",
+         "flash-attn @ https://example.org/flash_attn-2.8.3+cu12torch2.11-cp312-cp312-linux_x86_64.whl"],
+        can_reach=lambda url: False)
+    assert reqs == ["torch==2.11.0", "numpy>=1.26", "vllm==0.24.0", "flash-attn==2.8.3"] and len(subs) == 5
+    reqs, subs = rs.reachable_form(["--extra-index-url https://x/cu129", "torch==2.11.0+cu129"], can_reach=lambda u: True)
+    assert reqs == ["--extra-index-url https://x/cu129", "torch==2.11.0+cu129"] and not subs
 
 
 def test_a_driver_older_than_the_build_fails_the_set():
-    """The same recipe on a site whose driver is CUDA 11: its +cu128 builds are named as too new."""
+    """The same recipe on a site whose driver is CUDA 11: its +cu129 builds are named as too new."""
     resolved, reqs = gpu_case("verl-gsm8k-grpo")
     problems = check_set("verl-gsm8k-grpo@cuda11", reqs, "3.12", "11.8", [])
-    assert any("torch==2.11.0+cu128 is a CUDA 12 build" in p for p in problems), problems
+    assert any("torch==2.11.0+cu129 is a CUDA 12 build" in p for p in problems), problems
+    assert any("vllm==0.24.0+cu129 is a CUDA 12 build" in p for p in problems), problems
     problems = check_set("verl-gsm8k-grpo@flash", reqs, "3.12", "12.4", ["flash-attn"])
     assert problems == ["the trainer imports flash-attn at run time, and the set does not install it"]
 

@@ -86,8 +86,8 @@ export NCCL_SOCKET_IFNAME=hsn
 # the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
 # /global/common). The job only checks that it is ready and activates it; it writes nothing there.
 # Its requirements:
-#   --extra-index-url https://download.pytorch.org/whl/cu128
-#   torch==2.11.0+cu128
+#   --extra-index-url https://download.pytorch.org/whl/cu129
+#   torch==2.11.0+cu129
 #   transformers>=5.0,<5.20
 #   tokenizers>=0.21
 #   safetensors>=0.4
@@ -95,7 +95,7 @@ export NCCL_SOCKET_IFNAME=hsn
 #   numpy>=1.26
 #   pandas>=2.0
 #   pyarrow>=15
-venv=/global/common/software/m1234/hpcrl/venvs/b83bc79a4a96
+venv=/global/cfs/cdirs/m1234/hpcrl/venvs/c96a2b9e9e2f
 if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
   hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: "'hpcrl venv build --run pm2'
   echo "hpcrl: $hpcrl_why" >&2

@@ -6,7 +6,6 @@
 #SBATCH --dependency=singleton
 #SBATCH --gpus-per-node=4
 #SBATCH --job-name=verl-multinode
-#SBATCH --mem=200G
 #SBATCH --nodes=2
 #SBATCH --open-mode=append
 #SBATCH --output=/pscratch/sd/u/user/hpcrl/runs/verl-multinode/logs/job-%j.log
@@ -86,16 +85,17 @@ export NCCL_SOCKET_IFNAME=hsn
 # The venv: built once per distinct requirement set at `hpcrl submit`, on the login side (where
 # the software file system is writable: compute nodes may mount it read-only, as Perlmutter's
 # /global/common). The job only checks that it is ready and activates it; it writes nothing there.
-# Its size: 4.5 GB of wheels for Linux x86_64 (256 packages), ~13 GB installed (estimate)
+# Its size: 4.5 GB of wheels for Linux x86_64 (256 packages), ~11 GB installed (estimate)
 # Its requirements:
-#   --extra-index-url https://download.pytorch.org/whl/cu128
+#   --extra-index-url https://download.pytorch.org/whl/cu129
+#   --extra-index-url https://wheels.vllm.ai/0.24.0/cu129
 #   verl[vllm]==0.9.1
-#   torch==2.11.0+cu128
-#   torchvision==0.26.0+cu128
-#   torchaudio==2.11.0+cu128
-#   vllm @ https://github.com/vllm-project/vllm/releases/download/v0.24.0/vllm-0.24.0+cu128-cp38-abi3-manylinux_2_28_x86_64.whl
+#   torch==2.11.0+cu129
+#   torchvision==0.26.0+cu129
+#   torchaudio==2.11.0+cu129
+#   vllm==0.24.0+cu129
 #   transformers==5.9.0
-venv=/global/common/software/m1234/hpcrl/venvs/2ca2d223d327
+venv=/global/cfs/cdirs/m1234/hpcrl/venvs/7d82806332e6
 if [ ! -f "$venv/.hpcrl-ready" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
   hpcrl_why="venv $venv is missing, unfinished or stale; build it on a login node: "'hpcrl venv build --run verl-multinode'
   echo "hpcrl: $hpcrl_why" >&2
