@@ -9,6 +9,12 @@ Each entry of a profile's `qos_table` may say, beside its walltime limit (spec.v
   are scaled to the GPUs asked, and more than the share is refused with the fix;
 - `charge_factor`: what one node-hour on it is charged (a shared QOS: by the share held);
 - `scheduler_flags`: flags its jobs need (NERSC asks for --requeue on preempt);
+- `min_hours`: the least walltime a job on it may ask (a segment's --hours below it is refused);
+- `only_when`: a condition of use hpcrl cannot check from here (NERSC's overrun: a project whose
+  balance is zero or negative): every use gets a one-line warning naming it and the fix;
+- `unverified`: {rule key: why} for a rule the site's pages, as read, do not confirm: that rule
+  is only warned about, never enforced (a wrong refusal would block a legitimate job; a wrong
+  warning costs a line), until someone confirms it and removes the entry;
 - `source`: the site's documentation of the rule, quoted in every refusal.
 
 The site-wide ones: `gpu_account_suffix` (a GPU job's account ends so: NERSC's `_g`; a warning
@@ -21,8 +27,11 @@ import sys
 
 from .errors import SiteError, did_you_mean, one_of
 
-QOS_KEYS = ("max_hours", "charge_factor", "chaining", "interactive_only", "shares_node", "scheduler_flags",
-            "source")
+QOS_KEYS = ("max_hours", "min_hours", "charge_factor", "chaining", "interactive_only", "shares_node",
+            "scheduler_flags", "only_when", "unverified", "source")
+# The rules `unverified` may name (each then a warning instead of a refusal): the one rule so far
+# that NERSC's pages, as read, did not confirm; the others quote NERSC's text
+ENFORCED = ("min_hours",)
 SHARE_KEYS = ("max_gpus", "cpus_per_gpu", "mem_gb_per_gpu")
 # What a chained test looks like on a QOS that allows chains (the README's first step).
 CHAIN_TEST = "--hours 0.25 --total-hours 0.75"
@@ -43,6 +52,15 @@ def qos_rules(site: dict) -> dict[str, dict]:
         for key in SHARE_KEYS if share else ():
             if not isinstance(share.get(key), (int, float)) or isinstance(share.get(key), bool) or share[key] <= 0:
                 raise SiteError(f"{where}.shares_node.{key}: expected a positive number, got {share.get(key)!r}")
+        least = rule.get("min_hours")
+        if least is not None and (isinstance(least, bool) or not isinstance(least, (int, float)) or least <= 0):
+            raise SiteError(f"{where}.min_hours: expected a positive number of hours, got {least!r}")
+        for key in _mapping(rule.get("unverified"), f"{where}.unverified"):
+            if key not in ENFORCED or key not in rule:
+                raise SiteError(f"{where}.unverified.{key}: names no rule of this QOS that hpcrl enforces; "
+                                f"allowed: {one_of([k for k in ENFORCED if k in rule]) or 'none here'}")
+        if rule.get("only_when") is not None and not isinstance(rule["only_when"], str):
+            raise SiteError(f"{where}.only_when: expected text (the condition), got {rule['only_when']!r}")
         out[str(qos)] = rule
     return out
 
@@ -67,8 +85,9 @@ def suggest(rules: dict[str, dict], hours: float, chained: bool) -> str | None:
     """The QOS to name in a hint: one a batch job of `hours` may use (never an interactive one,
     never a shared one, which changes the job's resources), at the normal charge first."""
     fits = [q for q, r in rules.items()
-            if not r.get("interactive_only") and not r.get("shares_node")
+            if not r.get("interactive_only") and not r.get("shares_node") and not r.get("only_when")
             and (r.get("max_hours") is None or r["max_hours"] >= hours - 1e-9)
+            and (r.get("min_hours") is None or r["min_hours"] <= hours + 1e-9)
             and not (chained and r.get("chaining") is False)]
     return min(fits, key=lambda q: (rules[q].get("charge_factor", 1) != 1, str(q)), default=None)
 
@@ -85,6 +104,8 @@ def apply(spec: dict, site: dict, given: dict) -> None:
     rule = rules.get(qos)
     if rule is not None:
         _batch_only(rules, rule, site, spec["budget"]["hours"])
+        _min_hours(rules, rule, site, spec["budget"]["hours"])
+        _only_when(rules, rule, site, spec["budget"])
         _one_segment(rules, rule, site, spec["budget"])
         _share(rule, site, spec["resources"], given)
         # flags its jobs need, below the user's own (sbatch_directives checks every name and value)
@@ -100,6 +121,43 @@ def _batch_only(rules: dict, rule: dict, site: dict, hours: float) -> None:
         fix = f"; use --qos {other}" if other else ""
         raise SiteError(f"--qos {site['qos']}: site '{site.get('name')}' gives it to interactive sessions only "
                         f"(salloc), never to a batch job{_cite(rule)}{fix}")
+
+
+def _warn(text: str) -> None:
+    print(f"hpcrl: warning: {text}", file=sys.stderr)
+
+
+def _unverified(rule: dict, key: str) -> str | None:
+    """Why the rule `key` of this QOS is only warned about (None: it is enforced)."""
+    table = rule.get("unverified") or {}
+    return (str(table[key] or "") or "not confirmed") if key in table else None
+
+
+def _min_hours(rules: dict, rule: dict, site: dict, hours: float) -> None:
+    least = rule.get("min_hours")
+    if least is None or hours >= least - 1e-9:
+        return
+    qos, name = site["qos"], site.get("name")
+    why = _unverified(rule, "min_hours")
+    if why is not None:
+        _warn(f"--qos {qos}: site '{name}' notes a minimum walltime of {least:g} h on it, unverified ({why}); "
+              f"--hours {hours:g} may be refused by the scheduler: pass --hours {least:g} or more")
+        return
+    other = suggest(rules, hours, chained=False)
+    instead = f", or use --qos {other}" if other else ""
+    raise SiteError(f"--qos {qos}: site '{name}' takes jobs of {least:g} h or more on it, asked --hours {hours:g}"
+                    f"{_cite(rule)}; pass --hours {least:g} or more{instead}")
+
+
+def _only_when(rules: dict, rule: dict, site: dict, budget: dict) -> None:
+    """A condition of the QOS that only the site knows (a project's balance): said, not judged."""
+    if not rule.get("only_when"):
+        return
+    hours, total = budget["hours"], budget.get("total_hours")
+    other = suggest(rules, hours, chained=budget["max_segments"] != 1 and (total is None or total > hours + 1e-9))
+    _warn(f"--qos {site['qos']}: site '{site.get('name')}' gives it only {rule['only_when']}{_cite(rule)}; hpcrl "
+          f"cannot check that from here, and the scheduler refuses the job otherwise" +
+          (f": then use --qos {other}" if other else ""))
 
 
 def _one_segment(rules: dict, rule: dict, site: dict, budget: dict) -> None:

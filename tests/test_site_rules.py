@@ -259,3 +259,71 @@ def test_srun_on_a_site_without_cpus_per_task_asks_for_the_nodes_cpus(tmp_path):
     text = render(spec, "--site", "testcluster", "--nodes", "2", "--set", "resources.cpus_per_task=null").stdout
     sruns = [ln for ln in text.splitlines() if ln.lstrip().startswith("srun ")]
     assert sruns and all('--cpus-per-task="$SLURM_CPUS_ON_NODE"' in ln for ln in sruns), sruns
+
+
+# ---------------------------------------------------------------- issue 39: facts checked, or marked unverified
+
+
+def _warnings(proc, qos: str) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith(f"hpcrl: warning: --qos {qos}:")]
+
+
+def test_preempt_below_its_unverified_least_walltime_is_warned_about_not_refused():
+    """A least walltime of 2 h on preempt is believed but not found in NERSC's pages as read: the
+    profile marks it unverified, so --hours 1 renders, with one warning naming the fix."""
+    profile = yaml.safe_load((ROOT / "site_configs" / "perlmutter.yaml").read_text())["qos_table"]["preempt"]
+    assert profile["min_hours"] == 2 and "min_hours" in profile["unverified"]
+    r = render("--trainer", "smoke", *PM, "--qos", "preempt", "--hours", "1")
+    assert "#SBATCH --time=60\n" in r.stdout and "#SBATCH --qos=preempt\n" in r.stdout
+    (line,) = _warnings(r, "preempt")
+    assert "2 h" in line and "unverified" in line and "--hours 2 or more" in line, line
+    assert not _warnings(render("--trainer", "smoke", *PM, "--qos", "preempt", "--hours", "2"), "preempt")
+
+
+def test_a_confirmed_least_walltime_is_refused_in_one_line(capsys):
+    """The same rule once confirmed (no `unverified` entry) refuses, naming the fix."""
+    from hpcrl import siterules
+    from hpcrl.errors import SiteError
+
+    table = {"regular": {"max_hours": 48}, "preempt": {"max_hours": 48, "min_hours": 2, "source": RULE_SOURCE}}
+
+    def apply(hours, **rule):
+        site = {"name": "pm", "qos": "preempt", "qos_table": {**table, "preempt": {**table["preempt"], **rule}}}
+        siterules.apply({"budget": {"hours": hours, "max_segments": 3}, "resources": {"nodes": 1}}, site, {})
+
+    with pytest.raises(SiteError) as e:
+        apply(1)
+    assert str(e.value) == ("--qos preempt: site 'pm' takes jobs of 2 h or more on it, asked --hours 1 "
+                            f"({RULE_SOURCE}); pass --hours 2 or more, or use --qos regular")
+    apply(2)
+    apply(1, unverified={"min_hours": "not found"})  # warned only
+    assert "unverified (not found)" in capsys.readouterr().err
+    with pytest.raises(SiteError, match="unverified.chaining: names no rule"):
+        apply(2, unverified={"chaining": "x"})
+
+
+def test_overrun_warns_that_it_needs_a_spent_allocation():
+    """NERSC's overrun QOS is "not available for jobs submitted against a project with a positive
+    balance": hpcrl cannot see the balance, so it says so on every use, never refuses."""
+    r = render("--trainer", "smoke", *PM, "--qos", "overrun", "--hours", "4")
+    assert "#SBATCH --qos=overrun\n" in r.stdout
+    (line,) = _warnings(r, "overrun")
+    assert "zero or negative" in line and RULE_SOURCE in line and line.endswith("then use --qos regular"), line
+    assert not [ln for ln in render("--trainer", "smoke", *PM, "--hours", "4").stderr.splitlines() if "warning" in ln]
+    from hpcrl import siterules
+
+    assert siterules.suggest(siterules.qos_rules(resolved(qos="overrun", hours=4)["site"]), 4, True) == "regular"
+
+
+def test_a_recipe_on_one_shared_gpu_gets_that_gpus_cpus_and_memory(tmp_path):
+    """gsm8k-grpo's own comment: on 1 GPU with --set resources.gpus_per_node=1. Its CPUs and memory
+    follow the GPUs from the site (once fixed at 128 CPUs, it was refused on shared)."""
+    spec = tmp_path / "spec.yaml"
+    hpcrl("init", "--recipe", "gsm8k-grpo", "--out", spec, env=FIXED)
+    text = render(spec, *PM, "--qos", "shared", "--set", "resources.gpus_per_node=1").stdout
+    for line in ("--gpus-per-node=1", "--cpus-per-task=32", "--mem=64G", "--qos=shared"):
+        assert f"#SBATCH {line}\n" in text, (line, text)
+    assert '"$trainer_py" -m hpcrl.rl.train ' in text and "torch.distributed.run" not in text  # one rank
+    whole = render(spec, *PM).stdout  # regular: the node's CPUs, the node's memory (no --mem)
+    assert "#SBATCH --cpus-per-task=128\n" in whole and "#SBATCH --gpus-per-node=4\n" in whole
+    assert "#SBATCH --mem=" not in whole
