@@ -102,11 +102,21 @@ def device_bytes(device) -> int | None:
 
 # ---------------------------------------------------------------- the colocated vLLM engine
 
-# what a vLLM engine holds beyond its weights and KV cache: CUDA graphs' memory pools (vLLM logs
-# 0.3-1 GiB at its default capture sizes), the sampler's vocabulary-wide logits, the profile run's
-# activations. Not measured here (no GPU): a round, pessimistic figure.
+# what a vLLM engine holds beyond its weights, KV cache and start-up profile (profile_bytes):
+# CUDA graphs' memory pools (vLLM logs 0.3-1 GiB at its default capture sizes), NCCL's and
+# cuBLAS's buffers. Not measured here (no GPU): a round, pessimistic figure.
 ENGINE_OVERHEAD = 2 * 2 ** 30
 SAFETY = 0.92  # of the device: the allocator's fragmentation and the CUDA context
+
+# The tokens one engine step schedules (vLLM's max_num_batched_tokens), bounded as TRL's colocate
+# mode bounds it (trl/trainer/grpo_trainer.py, vllm_mode "colocate": max_num_batched_tokens=4096,
+# "Latest vLLM v1 memory profiler is misled by the high default value (i.e., 32768) - thinking
+# there's not enough memory"). Why: at start-up vLLM runs one forward of that many tokens and
+# subtracts its activation peak from the engine's budget (gpu_memory_utilization) before it sizes
+# the KV cache; at the default that peak alone can exceed a colocated engine's share, and the engine
+# refuses to start. Chunked prefill (vLLM V1's default) splits a longer prefill over steps, so the
+# bound costs throughput on long prompts only. profile_bytes counts that peak in the engine's share.
+BATCHED_TOKENS = 4096
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -121,10 +131,43 @@ def kv_bytes_per_token(config, dtype: str) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * _dtype_bytes(dtype)
 
 
-def engine_bytes(config, n_params: int, dtype: str, rows: int, tokens: int, tp: int = 1) -> int:
+def engine_rows(cfg, world: int) -> int:
+    """The sequences one rank's engine generates at once (vLLM's max_num_seqs, bounded to them as
+    TRL's colocate mode does): the rank's training prompts' groups, or its evaluation batch, for
+    every rank of its tensor-parallel group."""
+    tp = cfg.get("vllm_tensor_parallel_size") or 1
+    return max(-(-cfg["batch_size"] // world) * cfg["group_size"],
+               min(cfg["eval_batch_size"], -(-cfg["eval_size"] // world))) * tp
+
+
+def batched_tokens(seqs: int) -> int:
+    """vLLM's max_num_batched_tokens for an engine of `seqs` sequences: BATCHED_TOKENS, and never
+    below max_num_seqs (vLLM refuses a step budget smaller than its sequence count)."""
+    return max(BATCHED_TOKENS, seqs)
+
+
+def profile_bytes(config, seqs: int, dtype: str, tp: int = 1) -> int:
+    """vLLM's start-up profile, which it takes out of the engine's budget before the KV cache: a
+    forward of batched_tokens(seqs) tokens (per token the attention's q, k, v, the MLP's gate and
+    up projections and their product, split by tensor parallelism, and the residual stream's few
+    copies) and the sampler's float32 logits over the vocabulary for `seqs` rows (logits,
+    probabilities and a sorted copy for top-p; every rank of a tensor-parallel group holds them)."""
+    b = _dtype_bytes(dtype)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inter = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    per_token = (3 * inter + (heads + 2 * kv_heads) * head_dim) * b // tp + 4 * config.hidden_size * b
+    return batched_tokens(seqs) * per_token + 3 * seqs * config.vocab_size * 4
+
+
+def engine_bytes(config, n_params: int, dtype: str, rows: int, tokens: int, tp: int = 1,
+                 seqs: int | None = None) -> int:
     """One rank's engine: its share of the weights in the compute dtype, the KV cache of `rows`
-    sequences of `tokens` at once, and the overhead (tensor parallelism splits weights and KV)."""
-    return (n_params * _dtype_bytes(dtype) + rows * tokens * kv_bytes_per_token(config, dtype)) // tp + ENGINE_OVERHEAD
+    sequences of `tokens` at once, its start-up profile for `seqs` sequences (default: `rows`) and
+    the overhead (tensor parallelism splits weights and KV)."""
+    return ((n_params * _dtype_bytes(dtype) + rows * tokens * kv_bytes_per_token(config, dtype)) // tp
+            + profile_bytes(config, rows if seqs is None else seqs, dtype, tp) + ENGINE_OVERHEAD)
 
 
 def sync_bytes(largest_tensor: int, dtype: str) -> int:
@@ -161,10 +204,9 @@ def engine_plan(config, numels: list, cfg: dict, world: int, sharded: bool, refe
     whole time (no credit for sleep mode): an estimate that fits without it fits with it."""
     n_params, tp, dtype = sum(numels), cfg.get("vllm_tensor_parallel_size") or 1, cfg["dtype"]
     tokens = cfg["max_prompt_length"] + cfg["max_response_length"]
-    rows = max(-(-cfg["batch_size"] // world) * cfg["group_size"],
-               min(cfg["eval_batch_size"], -(-cfg["eval_size"] // world))) * tp
+    rows = engine_rows(cfg, world)
     want = engine_bytes(config, n_params, dtype, rows, tokens, tp)
-    least = engine_bytes(config, n_params, dtype, 1, tokens, tp)
+    least = engine_bytes(config, n_params, dtype, 1, tokens, tp, seqs=rows)  # the same engine, one sequence's KV
     state = state_bytes(n_params, world if sharded else 1, reference)
     if cfg["micro_batch_size"]:
         train = state + pass_bytes(config, cfg["micro_batch_size"], cfg["max_prompt_length"],

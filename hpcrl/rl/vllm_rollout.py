@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from . import memory
 from .policy import left_pad
 from .rollout import RolloutBatch, decode_responses, response_mask_from, stop_token_ids
 
@@ -42,6 +43,13 @@ def engine_args(cfg: dict, model_dir, *, world: int, rank: int, local_rank: int,
                   enforce_eager=device_type != "cuda",
                   # weights and KV cache released around the update (vLLM's CPU worker has no sleep mode)
                   enable_sleep_mode=device_type == "cuda")
+    # Bounded as TRL's colocate mode bounds them (hpcrl/rl/memory.py, BATCHED_TOKENS): the step's
+    # tokens, which vLLM's start-up profile runs at once and charges to the engine's budget (at its
+    # default a colocated engine's derived share looked too small to start), and the sequences at
+    # once, the rows this rank generates together (CUDA graphs are captured up to it, and the
+    # sampler's profile holds vocabulary-wide logits for it). engine_plan counts both in the share.
+    kwargs["max_num_seqs"] = memory.engine_rows(cfg, world)
+    kwargs["max_num_batched_tokens"] = memory.batched_tokens(kwargs["max_num_seqs"])
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # in-process: the weight sync needs no IPC
     if world > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"

@@ -45,6 +45,56 @@ def test_tensor_parallel_groups_share_a_seed_and_must_divide_the_ranks():
                     gpu_memory_utilization=0.5)
 
 
+def test_the_engine_bounds_its_step_and_sequences_as_trls_colocate_mode():
+    """Issue 39: TRL's colocate mode sets max_num_batched_tokens=4096 ("Latest vLLM v1 memory
+    profiler is misled by the high default value (i.e., 32768) - thinking there's not enough
+    memory") and max_num_seqs to the rank's generation batch. hpcrl derives a tight
+    gpu_memory_utilization, so it bounds both the same way (the profile runs a step at once)."""
+    from hpcrl.rl import memory
+
+    cfg = {**CFG, "batch_size": 16, "group_size": 8, "eval_batch_size": 32, "eval_size": 64}
+    kwargs, _ = engine_args(cfg, "/m", world=2, rank=0, local_rank=0, device_type="cuda", gpu_memory_utilization=0.3)
+    assert kwargs["max_num_batched_tokens"] == memory.BATCHED_TOKENS == 4096
+    assert kwargs["max_num_seqs"] == 64  # this rank's 8 prompts x 8, as many as its evaluation batch
+    tp, _ = engine_args({**cfg, "vllm_tensor_parallel_size": 2}, "/m", world=2, rank=0, local_rank=0,
+                        device_type="cuda", gpu_memory_utilization=0.3)
+    assert tp["max_num_seqs"] == 128  # the group's engine generates both ranks' rows
+    # a long context is still one bounded step (chunked prefill, vLLM V1's default, splits it)
+    long, _ = engine_args({**cfg, "max_prompt_length": 4096, "max_response_length": 4096}, "/m", world=2, rank=0,
+                          local_rank=0, device_type="cuda", gpu_memory_utilization=0.3)
+    assert long["max_model_len"] == 8192 and long["max_num_batched_tokens"] == 4096
+    # vLLM refuses a step budget below its sequence count: the bound gives way to it
+    many, _ = engine_args({**cfg, "batch_size": 1024}, "/m", world=1, rank=0, local_rank=0, device_type="cpu",
+                          gpu_memory_utilization=0.3)
+    assert many["max_num_seqs"] == 8192 and many["max_num_batched_tokens"] == 8192
+
+
+def test_the_derived_share_keeps_room_for_vllms_start_up_profile_at_that_bound(monkeypatch):
+    """The share hpcrl derives (gpu_memory_utilization) holds, beside the weights, the KV cache and
+    the overhead, what vLLM's profile takes out of it at start-up: a step of BATCHED_TOKENS and the
+    sampler's logits for max_num_seqs rows. A larger step would need a larger share."""
+    import types
+
+    from hpcrl.rl import memory
+
+    shape = types.SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, vocab_size=151_936,
+                                  num_attention_heads=14, num_key_value_heads=2)
+    n, tokens, rows, gib = 494_032_768, 1024, 64, 2 ** 30
+    bare = n * 2 + rows * tokens * memory.kv_bytes_per_token(shape, "bfloat16") + memory.ENGINE_OVERHEAD
+    profile = memory.profile_bytes(shape, rows, "bfloat16")
+    assert profile > 4096 * 3 * 4864 * 2 + 3 * rows * 151_936 * 4  # the MLP's step, the sampler's float32 logits
+    assert memory.engine_bytes(shape, n, "bfloat16", rows, tokens) == bare + profile
+    cfg = {**CFG, "batch_size": 16, "group_size": 8, "eval_batch_size": 32, "eval_size": 64,
+           "max_prompt_length": 512, "max_response_length": 512, "micro_batch_size": 4,
+           "gradient_checkpointing": False}
+    device = 40 * gib
+    share, util = memory.engine_plan(shape, [151_936 * 896, n - 151_936 * 896], cfg, 2, False, True, device)
+    assert share == bare + profile and util == pytest.approx(share / device, abs=0.01)
+    monkeypatch.setattr(memory, "BATCHED_TOKENS", 32768)  # vLLM's old offline default
+    wide, wide_util = memory.engine_plan(shape, [151_936 * 896, n - 151_936 * 896], cfg, 2, False, True, device)
+    assert wide - share == (32768 - 4096) * (profile - 3 * rows * 151_936 * 4) // 4096 and wide_util > util
+
+
 class _LLMDouble:
     """TEST DOUBLE of vllm.LLM on a GPU (neither exists here): records the calls the rollout makes."""
 
