@@ -34,3 +34,10 @@ def test_demo_finishes_beside_a_cpu_hog_with_its_verdict(tmp_path):
     run = verdict.split()[3]
     assert (tmp_path / "home" / "demo" / f"{run}.png").stat().st_size > 10_000
     assert f"hpcrl export {run}" in verdict
+    # the next commands work as printed, typed in the checkout by a user whose shell has no
+    # HPCRL_HOME (issue 39: a bare `hpcrl status RUN` answered "no such run")
+    assert f"next, in {ROOT}:" in verdict, verdict
+    (status,) = [ln.strip() for ln in verdict.splitlines() if ln.strip().endswith(f" status {run}")]
+    user = {k: v for k, v in os.environ.items() if not k.startswith("HPCRL_")}
+    r = subprocess.run(["bash", "-c", status], cwd=ROOT, env=user, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and run in r.stdout and "COMPLETED" in r.stdout, (status, r.stdout, r.stderr)

@@ -357,6 +357,22 @@ def test_readme_recipe_list_is_init_list(home):
     assert set(re.findall(r"`([^`]+)`", para)) - {"hpcrl init --list"} == names
 
 
+def test_readme_first_steps_are_true(home, tmp_path):
+    """Issue 39: the README's smoke-test commands are ones hpcrl accepts (a chained debug submit it
+    refuses once stood beside the true one), the args keys it names exist, docs/adapt.md is linked."""
+    from hpcrl.schemas.builtin import SCHEMA
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    smoke = re.findall(r"`hpcrl submit (--trainer smoke [^`]*)`", readme)
+    assert smoke, "the README gives a smoke-test submit"
+    for command in smoke:  # render: what submit would send, nothing queued
+        r = hpcrl("render", *command.split(), env={"SCRATCH": str(tmp_path)}, check=False)
+        assert r.returncode == 0 and "#SBATCH" in r.stdout, f"README: hpcrl submit {command}: {r.stderr}"
+    named = set(re.findall(r"`args\.([a-z_]+)`", readme))
+    assert named and named <= set(SCHEMA.fields), f"not keys of the built-in trainer: {named - set(SCHEMA.fields)}"
+    assert "(docs/adapt.md)" in readme
+
+
 def test_init_list_titles_are_whole_sentences(home):
     for line in hpcrl("init", "--list").stdout.splitlines():
         assert line.rstrip().endswith((".", ")")), f"cut mid-sentence: {line}"

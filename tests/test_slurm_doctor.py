@@ -32,9 +32,13 @@ def login_node(home, pm_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # the venv builds below install nothing (see _TORCH_SETUP)
 
     def site(**changes):
-        # the test cluster's GPUs are gres stand-ins and its torch this CPU build: no driver to fit
+        # the test cluster's GPUs are gres stand-ins and its torch this CPU build: no driver to fit.
+        # The hooks python is named, as a Perlmutter user names a venv's on a shared file system:
+        # else doctor judges the suite's own interpreter, which lives wherever the checkout does
+        # and rightly fails under /tmp (issue 39; hooks_python per its input: tests/test_doctor.py)
         data = {"extends": "perlmutter", "venv_root": str(tmp_path / "venvs"), "setup": [_TORCH_SETUP],
-                "gpu_stack": {"driver_cuda": None, "cuda_variant": None, "nccl": None}, **changes}
+                "gpu_stack": {"driver_cuda": None, "cuda_variant": None, "nccl": None},
+                "hpcrl_python": HOOKS_PYTHON, **changes}
         (Path(os.environ["HPCRL_SITES_DIR"]) / "pmdoc.yaml").write_text(yaml.safe_dump(data))
         return ["--site", "pmdoc", "--account", os.environ.get("HPCRL_SLURM_ACCOUNT", "m1234_g")]
 
@@ -46,6 +50,11 @@ def login_node(home, pm_cluster, tmp_path, monkeypatch):
 # real venv build finds every requirement satisfied.
 _TORCH_SETUP = (f'export PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}'
                 f'{Path(importlib.util.find_spec("torch").origin).parents[1]}"')
+
+
+# The interpreter the suite's venv was made from (its symlink resolved): outside the checkout, on a
+# file system this machine's Slurm nodes share. doctor only judges where it is.
+HOOKS_PYTHON = os.path.realpath(sys.executable)
 
 
 def lines(out: str) -> dict:
@@ -62,7 +71,8 @@ def test_a_good_perlmutter_site_passes_every_check(login_node):
     assert r.returncode == 0, r.stdout
     got = lines(r.stdout)
     assert set(got) >= {"scheduler", "nodes", "account", "qos", "outputs", "venv_root", "modules", "python",
-                        "venv"}, r.stdout
+                        "venv", "hooks"}, r.stdout
+    assert HOOKS_PYTHON in got["hooks"], got["hooks"]
     assert all(v.startswith("PASS") for v in got.values()), r.stdout
     assert "ready (8 requirements of builtin)" in got["venv"], got["venv"]
     # every GPU node of the cluster, the tier partition's one too (the profile names no partition)
