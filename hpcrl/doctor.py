@@ -105,12 +105,12 @@ def _gpu_driver(site: dict, spec: dict) -> list[Check]:
     if build is None:
         return out + [Check("driver", "warn", f"driver CUDA {driver} ({source}); the venv's torch names no CUDA build "
                                               f"(the default index's torch is a CUDA 13 build since 2.11)",
-                            f"set gpu_stack.cuda_variant (e.g. cu128) in your site file")]
+                            f"set gpu_stack.cuda_variant (e.g. cu129) in your site file")]
     if stack.cuda_major(build) > stack.cuda_major(driver):
         return out + [Check("driver", "fail", f"the venv's torch is built for CUDA {build}, the driver ({source}) "
                                               f"supports CUDA {driver}: torch would see no GPU",
                             f"install a CUDA {stack.cuda_major(driver)} build: gpu_stack.cuda_variant "
-                            f"{'cu128' if stack.cuda_major(driver) == 12 else 'cu' + str(stack.cuda_major(driver)) + 'x'} "
+                            f"{stack.PUBLISHED_VARIANT.get(stack.cuda_major(driver), 'cu' + str(stack.cuda_major(driver)) + 'x')} "
                             f"in your site file (or --set site.gpu_stack.cuda_variant=...), then hpcrl venv build")]
     return out + [Check("driver", "pass", f"driver CUDA {driver} ({source}) runs the venv's torch (built for CUDA {build})")]
 

@@ -32,6 +32,10 @@ import re
 TORCH_INDEX = "https://download.pytorch.org/whl/{variant}"
 VLLM_INDEX = "https://wheels.vllm.ai/{version}/{variant}"  # vLLM's per-version index of one CUDA build
 GPU_TORCH = "2.11.0"
+# The CUDA 12 build that both PyTorch and vLLM publish for these versions (hpcrl/artifacts.yaml
+# cites where): what a fix names, never a build that was not published. A CUDA 13 driver runs the
+# default index's build (cuda_variant null).
+PUBLISHED_VARIANT = {12: "cu129"}
 TORCH_FAMILY = ("torch", "torchvision", "torchaudio")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s+;]+)$")
 

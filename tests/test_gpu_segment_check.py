@@ -127,7 +127,7 @@ def test_doctor_compares_the_driver_with_the_venvs_torch_build(tmp_path, monkeyp
     assert c.status == "pass" and "driver CUDA 12.4 (nvidia-smi here)" in c.detail and "CUDA 12.9" in c.detail
     [c] = _gpu_driver(_pm_site(cuda_variant="cu130"), BUILTIN_VLLM)  # a CUDA 13 build: the bad case
     assert c.status == "fail" and "built for CUDA 13.0" in c.detail and "supports CUDA 12.4" in c.detail, c
-    assert "cu128" in c.fix
+    assert "cuda_variant cu129" in c.fix  # the CUDA 12 build vLLM publishes (hpcrl/artifacts.yaml)
     checks = _gpu_driver(_pm_site(driver_cuda="13.0"), BUILTIN_VLLM)  # the profile disagrees with nvidia-smi
     assert [c.status for c in checks] == ["warn", "pass"] and "nvidia-smi here says CUDA 12.4" in checks[0].detail
 
