@@ -286,7 +286,7 @@ def _sandbox_level(python: str = sys.executable, environ=None) -> list[Check]:
     """The code reward's isolation level on this machine (issue 28): what a sample can reach. Run
     as a process (hpcrl/rl is reached only that way; it imports nothing beyond the stdlib)."""
     environ = os.environ if environ is None else environ
-    script = "from hpcrl.rl import sandbox; print(sandbox.isolation())"
+    script = "from hpcrl.rewards import sandbox; print(sandbox.isolation())"
     try:
         proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60,
                               stdin=subprocess.DEVNULL, env=dict(environ))

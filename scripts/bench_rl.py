@@ -94,7 +94,8 @@ def trl_worker(model_dir: str, train: str, test: str, steps: int, out: str) -> N
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from hpcrl.rl import data, rewards
+    from hpcrl.rewards import score as rewards
+    from hpcrl.rl import data
 
     torch.set_num_threads(RECIPE["threads"])
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
@@ -140,7 +141,8 @@ def trl_config(trl, steps: int, output_dir: Path):
 
 
 def greedy_eval(model, tok, test) -> dict:
-    from hpcrl.rl import data, policy, rewards
+    from hpcrl.rewards import score as rewards
+    from hpcrl.rl import data, policy
     from hpcrl.rl.rollout import HFRollout
 
     ex = data.load_examples(test)[:RECIPE["eval_size"]]

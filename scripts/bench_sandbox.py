@@ -3,7 +3,7 @@ scaling with workers.
 
     PYTHONPATH=. python scripts/bench_sandbox.py [--n 100] [--repeats 5] [--workers 1,2,4] [--compare OLD.py]
 
---compare loads another version of sandbox.py (e.g. `git show main:hpcrl/rl/sandbox.py > /tmp/old.py`)
+--compare loads another version of sandbox.py (e.g. `git show main:hpcrl/rewards/sandbox.py > /tmp/old.py`)
 and measures it in the same rounds (its own fork server), as `other_fork` and `other_spawn`.
 
 Prints one JSON object. Compare ratios, not absolute rates: they depend on the machine and on
@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcrl.rl import sandbox  # noqa: E402
+from hpcrl.rewards import sandbox  # noqa: E402
 
 CODE = "def f(a, b):\n    return a + b"
 TESTS = ["assert f(1, 2) == 3", "assert f(2, 2) == 4"]

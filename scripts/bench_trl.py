@@ -106,7 +106,8 @@ def per_step(secs: dict, train_s: float, steps: int) -> dict:
 def greedy_eval(model, tok, test: Path, cfg: dict) -> dict:
     """The same greedy evaluation for both trainers' final models: the built-in rollout engine,
     prompts as the trainer encodes them, the rows' own reward."""
-    from hpcrl.rl import data, policy, rewards
+    from hpcrl.rewards import score as rewards
+    from hpcrl.rl import data, policy
     from hpcrl.rl.rollout import HFRollout
 
     ex = data.load_examples(test)[:cfg["eval_size"]]
@@ -136,7 +137,8 @@ def trl_worker(name: str, model_dir: str, train: str, test: str, steps: int, out
     from gpu_check import Phases
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from hpcrl.rl import data, rewards
+    from hpcrl.rewards import score as rewards
+    from hpcrl.rl import data
 
     k = knobs(name)
     torch.set_num_threads(k["threads"])

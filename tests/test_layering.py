@@ -238,3 +238,12 @@ def test_the_checker_keeps_the_trainer_side_apart():
 def test_the_checker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_reward_side_imports_nothing_of_hpcrl_outside_itself():
+    # verl's reward workers load hpcrl/rewards' files by path from RUN/verl/, each finding the next
+    # beside itself: an import of any other hpcrl module (even one the trainer side may import)
+    # fails there, so `rewards` is held tighter than the trainer-side-may-import line
+    outside = {mod: sorted(d for d in deps if unit(d) != "rewards")
+               for mod, deps in graph().items() if unit(mod) == "rewards"}
+    assert outside and not any(outside.values()), outside

@@ -197,7 +197,7 @@ def moving_mean(values: list[float], window: int) -> list[float]:
 
 
 def _key(s: str) -> str:
-    # the trainer's metric key of a reward term (hpcrl/rl/reward_mix.py _key; a test holds them together)
+    # the trainer's metric key of a reward term (hpcrl/rewards/mix.py _key; a test holds them together)
     import re
 
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(s))[:60]

@@ -48,9 +48,9 @@ ATTENTION = {
 }
 TRACKER = "latest_checkpointed_iteration.txt"
 LAUNCH_MODULE = "hpcrl.job.verl"  # the job-side launcher, run from the run's lib/
-REWARD_FILE = "verl/rewards.py"
+REWARD_FILE = "verl/rewards.py"  # hpcrl/rewards/score.py, under the name runs made before issue 40 carry
 SANDBOX_FILE = "verl/sandbox.py"  # rewards.py's code reward imports it from beside itself (verl loads by path)
-SANDBOX_SIBLINGS = ("judge", "cpus", "cgroups", "sandbox_harness", "sandbox_server")  # sandbox.py reads these from beside itself
+SANDBOX_SIBLINGS = ("judge", "extract", "cpus", "cgroups", "sandbox_harness", "sandbox_server")  # sandbox.py reads these from beside itself
 
 # algorithm -> overrides that define it (GSPO as in verl's examples/gspo_trainer; PPO as TinyZero)
 ALGORITHMS = {
@@ -113,7 +113,7 @@ SCHEMA = Schema("verl", [
     Str("model", None, "HF model directory (staged on a login node) or hub id", required=True, **_PATH),
     Str("train_files", None, "parquet (hpcrl's Countdown/GSM8K prep or verl's)", required=True, **_PATH),
     Str("val_files", None, "parquet of the validation split", required=True, **_PATH),
-    Str("reward", "hpcrl", "hpcrl (hpcrl/rl/rewards.py) | verl (its built-ins) | /path/file.py:fn", nonempty=True),
+    Str("reward", "hpcrl", "hpcrl (hpcrl/rewards/score.py) | verl (its built-ins) | /path/file.py:fn", nonempty=True),
     Int("train_batch_size", 256, "prompts per step (data.train_batch_size)", ge=1),
     Int("val_batch_size", None, "null: the whole validation set in one batch (verl's default)", ge=1, nullable=True),
     Int("max_prompt_length", 256, "prompt tokens", ge=1),
@@ -181,11 +181,13 @@ class VerlTrainer(Trainer):
                 raise SpecError(f"args.{key}: {path} does not exist; give the absolute path of a parquet file")
             if path is not None:
                 tables.append((f"args.{key}", path))
-        facts = probe.probe(python, env, files, [str(p) for _, p in tables])
+        # the reward as verl's reward manager calls it: every argument by keyword (#41 item 6)
+        row_from = str(tables[0][1]) if tables and tables[0][0] == "args.train_files" else None
+        facts = probe.probe(python, env, files, [str(p) for _, p in tables], row_from=row_from, keywords=True)
         if facts is None:
             return
         for i, (path, func) in enumerate(files):
-            probe.reward_error(facts, i, "args.reward", path, func, python)
+            probe.reward_error(facts, i, "args.reward", path, func, python, row_from)
         prompt_key = _override_value(a["overrides"], "data.prompt_key") or "prompt"
         rows = {key: probe.table(facts, i, key, path, (prompt_key,)) for i, (key, path) in enumerate(tables)}
         if rows.get("args.train_files") is not None:
@@ -205,10 +207,10 @@ class VerlTrainer(Trainer):
         here = Path(__file__).resolve().parent
         out = {}
         if ctx.args["reward"] == "hpcrl":
-            out[REWARD_FILE] = (here.parent / "rl" / "rewards.py").read_text(encoding="utf-8")
-            out[SANDBOX_FILE] = (here.parent / "rl" / "sandbox.py").read_text(encoding="utf-8")
+            out[REWARD_FILE] = (here.parent / "rewards" / "score.py").read_text(encoding="utf-8")
+            out[SANDBOX_FILE] = (here.parent / "rewards" / "sandbox.py").read_text(encoding="utf-8")
             for name in SANDBOX_SIBLINGS:
-                out[f"verl/{name}.py"] = (here.parent / "rl" / f"{name}.py").read_text(encoding="utf-8")
+                out[f"verl/{name}.py"] = (here.parent / "rewards" / f"{name}.py").read_text(encoding="utf-8")
         return out
 
     def overrides(self, ctx: TrainerContext) -> list[str]:
@@ -326,7 +328,7 @@ def verl_checkpoint_step(ckpt_dir) -> int | None:
 
 
 def reward_target(reward: str, shipped: Path) -> tuple[str, str]:
-    """(file, function) for reward.custom_reward_function: 'hpcrl' is the copy of hpcrl/rl/rewards.py
+    """(file, function) for reward.custom_reward_function: 'hpcrl' is the copy of hpcrl/rewards/score.py
     in the run directory (verl loads it by path, so it must be, and is, stdlib-only)."""
     if reward == "hpcrl":
         return str(shipped), "compute_score"

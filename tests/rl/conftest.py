@@ -5,7 +5,7 @@ that level (tests/rl/test_sandbox_privilege.py checks the refusal with its own e
 import os
 import sys
 
-from hpcrl.rl import sandbox
+from hpcrl.rewards import sandbox
 
 if sandbox._probe(os.path.realpath(sys.executable)) == "plain":
     os.environ.setdefault("HPCRL_SANDBOX_PLAIN", "1")

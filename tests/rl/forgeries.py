@@ -168,7 +168,7 @@ FORGERIES = {
                                           "    try:\n        resource.setrlimit(r, (-1, -1))\n    except (ValueError, OSError):\n"
                                           "        pass\nwhile True:\n    pass"),
     "fork_bomb": ("asserts", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"),
-    "import_the_harness": ("asserts", "from hpcrl.rl import sandbox\nsandbox._same = lambda *a: True\n"
+    "import_the_harness": ("asserts", "from hpcrl.rewards import sandbox\nsandbox._same = lambda *a: True\n"
                                       "def f(a, b):\n    return 0"),
     "print_expected_stdout_from_memory": ("stdio", _STEAL_STDIO),
     "patch_stdout_comparison": ("stdio", _STDIO_INSPECT),

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from hpcrl.rl import commands, convert, data, reward_mix
+from hpcrl.rewards import mix as reward_mix
+from hpcrl.rl import commands, convert, data
 from hpcrl.rl.config import resolve
 from rl_helpers import REPO, run_trainer, write_config
 

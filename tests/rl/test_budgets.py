@@ -6,7 +6,7 @@ import types
 from hpcrl import protocol
 from hpcrl.checkpoints.store import CheckpointStore
 from hpcrl.checkpoints.trainer import checkpointer
-from hpcrl.rl.cpus import workers_per_rank
+from hpcrl.rewards.cpus import workers_per_rank
 from hpcrl.rl.loop import RLTrainer
 
 from rl_helpers import run_trainer, write_config

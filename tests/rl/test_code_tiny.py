@@ -66,7 +66,7 @@ def _forgeable_rows(n_train, n_test, seed):
 
 @pytest.mark.slow
 def test_forged_answer_reachable_by_sampling_is_never_rewarded(tmp_path):
-    from hpcrl.rl import rewards
+    from hpcrl.rewards import score as rewards
     from hpcrl.rl.data import write_parquet
 
     train, test = _forgeable_rows(256, 20, 5)

@@ -11,7 +11,7 @@ import pytest
 from hpcrl.errors import HpcrlError, SpecError
 from hpcrl.rl import config, data
 from hpcrl.rl.commands import cmd_data, cmd_model
-from hpcrl.rl.rewards import countdown_score
+from hpcrl.rewards.score import countdown_score
 from hpcrl.trainers.builtin import BuiltinTrainer
 
 from helpers import adapter_context
@@ -114,7 +114,7 @@ def test_adapter_validates_files_and_command(tmp_path):
 
 
 def test_adapter_imports_no_ml_stack():
-    code = ("import sys, hpcrl.trainers.builtin, hpcrl.rl.rewards;"
+    code = ("import sys, hpcrl.trainers.builtin, hpcrl.rewards.score, hpcrl.rewards.sandbox;"
             "bad = [m for m in ('torch', 'transformers', 'pandas', 'vllm') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

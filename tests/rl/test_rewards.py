@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from hpcrl.rl import rewards
-from hpcrl.rl.rewards import compute_score, countdown_score, extract_gsm8k_answer, gsm8k_score, safe_eval_equation
+from hpcrl.rewards import score as rewards
+from hpcrl.rewards.score import compute_score, countdown_score, extract_gsm8k_answer, gsm8k_score, safe_eval_equation
 
 GT = {"target": 24, "numbers": [2, 3, 4]}
 
@@ -100,7 +100,8 @@ def test_user_reward_from_file_and_module(tmp_path):
                  "def other(ds, s, gt, extra_info=None):\n    return -1.0\n")
     assert rewards.load_reward(str(f))("x", "abc", None) == 3.0
     assert rewards.load_reward(f"{f}:other")("x", "abc", None) == -1.0
-    assert rewards.load_reward("hpcrl.rl.rewards:compute_score") is compute_score
+    assert rewards.load_reward("hpcrl.rewards.score:compute_score") is compute_score
+    assert rewards.load_reward("hpcrl.rl.rewards:compute_score") is compute_score  # the name before issue 40
     with pytest.raises(ValueError):
         rewards.load_reward(f"{f}:missing")
     with pytest.raises(ValueError):
@@ -112,7 +113,7 @@ def test_reward_model_batch_normalisation_is_global_and_truncates_from_the_left(
     (threads sharing one gather, as dist.Dist.sum adds over processes) get exactly the 1-rank
     values of their rows. A reward-model input longer than the model's length loses its
     beginning, not the response's end."""
-    from hpcrl.rl.reward_mix import ModelReward
+    from hpcrl.rewards.mix import ModelReward
     from hpcrl.rl.tiny import build_tiny_model
 
     from rl_helpers import as_two_ranks

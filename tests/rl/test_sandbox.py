@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rl import rewards, sandbox
+from hpcrl.rewards import sandbox
+from hpcrl.rewards import score as rewards
 from helpers import wait_until
 from forgeries import ASSERTS, FORGERIES, HONEST, STDIO
 
@@ -356,7 +357,7 @@ def test_fork_server_outlives_the_pool_threads_and_leaves_with_the_trainer(mode,
         assert [r.score for r in sandbox.run_batch(items, workers=2, dedupe=False)] == [1.0] * 4
         assert sandbox._SERVER.proc.pid == pid and _alive(pid)
     # a trainer killed outright: its server sees EOF on its socket and exits
-    script = ("import sys, time; from hpcrl.rl import sandbox\n"
+    script = ("import sys, time; from hpcrl.rewards import sandbox\n"
               "assert sandbox.run_tests('def f(): return 1', ['assert f() == 1']).score == 1.0\n"
               "print(sandbox._SERVER.proc.pid, flush=True); time.sleep(60)")
     trainer = sandbox.subprocess.Popen([sys.executable, "-c", script], stdout=sandbox.subprocess.PIPE, text=True,

@@ -7,7 +7,8 @@ import tracemalloc
 
 import pytest
 
-from hpcrl.rl import rewards, sandbox
+from hpcrl.rewards import sandbox
+from hpcrl.rewards import score as rewards
 
 FAST = sandbox.Limits(timeout_s=5.0, cpu_s=3)
 GOOD = "def f(a, b):\n    return a + b"

@@ -5,7 +5,8 @@ score is counted as judged inside; an honest program scores 1 with nothing insid
 
 import pytest
 
-from hpcrl.rl import rewards, sandbox
+from hpcrl.rewards import sandbox
+from hpcrl.rewards import score as rewards
 
 FAST = sandbox.Limits(timeout_s=5.0, cpu_s=3)
 

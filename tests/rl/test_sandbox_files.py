@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rl import sandbox
+from hpcrl.rewards import sandbox
 
 LEVEL = sandbox.isolation()
 pytestmark = pytest.mark.skipif(LEVEL == "plain", reason="the plain level has no mount namespace: it refuses "

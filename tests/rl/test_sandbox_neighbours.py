@@ -4,7 +4,7 @@ own (RLIMIT_NPROC counts per uid: every sample was `nobody`) and, where a cgroup
 
 import pytest
 
-from hpcrl.rl import cgroups, sandbox
+from hpcrl.rewards import cgroups, sandbox
 
 LEVEL = sandbox.isolation()
 pytestmark = pytest.mark.skipif(LEVEL != "namespaces", reason=f"per-sample uids and cgroups need root; here: {LEVEL}")

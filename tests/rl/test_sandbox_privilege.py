@@ -35,7 +35,7 @@ def test_root_without_cap_sys_admin_never_runs_a_sample_as_root(tmp_path):
             "    except OSError:\n"
             "        pass\n"
             "    return [os.getuid(), os.geteuid()]\n")
-    script = ("import sys\nfrom hpcrl.rl import sandbox\n"
+    script = ("import sys\nfrom hpcrl.rewards import sandbox\n"
               "level = sandbox.isolation()\n"
               f"got = sandbox.evaluate({code!r}, ['f()'], level=level)\n"
               "print(level, got)\n")
@@ -49,7 +49,7 @@ def test_root_without_cap_sys_admin_never_runs_a_sample_as_root(tmp_path):
 
 @ROOT_ONLY
 def test_plain_refuses_unless_allowed_and_the_level_is_said_once():
-    script = ("from hpcrl.rl import sandbox\n"
+    script = ("from hpcrl.rewards import sandbox\n"
               "r = sandbox.run_tests('def f(): return 1', ['assert f() == 1'])\n"
               "sandbox.run_tests('def f(): return 1', ['assert f() == 1'])\n"
               "print(sandbox.isolation(), r.score, r.reason)\n")
@@ -65,7 +65,7 @@ def test_plain_refuses_unless_allowed_and_the_level_is_said_once():
 def test_the_spec_accepts_plain_with_code_allow_plain():
     # the built-in trainer's reward, from its resolved args: refused by default, scored when allowed
     script = ("from hpcrl.rl.config import resolve\n"
-              "from hpcrl.rl import reward_mix\n"
+              "from hpcrl.rewards import mix as reward_mix\n"
               "ex = [{'data_source': 'code', 'ground_truth': {'tests': ['assert f() == 1']}, 'extra_info': {}, 'messages': []}]\n"
               "for allow in (False, True):\n"
               "    cfg = resolve({'reward': 'code', 'code_allow_plain': allow})\n"
@@ -89,8 +89,8 @@ def test_what_a_sample_reaches_as_a_regular_user(tmp_path):
     home = Path(tempfile.mkdtemp(prefix="hpcrl-regular-"))
     try:
         home.chmod(0o755)
-        for name in ("sandbox", "judge", "cgroups", "cpus", "sandbox_harness", "sandbox_server"):
-            shutil.copy(REPO / "hpcrl" / "rl" / f"{name}.py", home / f"{name}.py")
+        for name in ("sandbox", "judge", "extract", "cgroups", "cpus", "sandbox_harness", "sandbox_server"):
+            shutil.copy(REPO / "hpcrl" / "rewards" / f"{name}.py", home / f"{name}.py")
         (home / "answers.txt").write_text("1234")
         os.chown(home / "answers.txt", 65534, 65534)
         code = ("import os, socket\n"

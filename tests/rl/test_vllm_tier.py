@@ -85,7 +85,8 @@ def _straight_run(vllm_python, tmp_path):
 def _hf_greedy_eval(ckpt, val):
     import torch
 
-    from hpcrl.rl import policy, rewards
+    from hpcrl.rewards import score as rewards
+    from hpcrl.rl import policy
     from hpcrl.rl.rollout import HFRollout
 
     model, tok = policy.load_policy(ckpt, torch.device("cpu"))

@@ -202,7 +202,14 @@ class _Planner:
             self.steps.append(("exec", self.seg(node)))
             return None
         # anything else runs in the program's process: setup (`x = f(3)`) binds program values,
-        # and a statement that can raise a decision (a loop of asserts) is judged inside, alone
+        # and a statement that can raise a decision (a loop of asserts) is judged inside, alone.
+        # The test data it reads goes with it, and from then on is the program's value: a call
+        # such as `sort_in_place(xs)` mutates it there, and `assert xs == [1, 2, 3]` must see that
+        # (issue 40: a correct in-place program scored 0 on the unmutated copy kept here)
+        self.send_inputs(node)
+        for name in self.names(node) & self.trusted:
+            self.trusted.discard(name)
+            self.prog.add(name)
         self.steps.append(("exec", self.seg(node)))
         self.actions.append(("step", len(self.steps) - 1))
         for target in ast.walk(node):
@@ -237,7 +244,7 @@ class _Planner:
             return self.hole(node)
         if self.names(node) & self.trusted:
             return self.hole(node, tainted=True)  # program-free, but from a value only the sandbox made
-        self.clean.append(self.seg(node))
+        self.clean.append(self.value_src(node))
         return ("clean", len(self.clean) - 1)
 
     def send_inputs(self, node) -> None:
@@ -247,9 +254,16 @@ class _Planner:
             self.send_inputs(self.assigns[name].value)
             self.steps.append(("exec", self.seg(self.assigns[name])))
 
+    def value_src(self, node) -> str:
+        """The source whose value crosses: a generator expression as the list it yields (a
+        generator is not data; `all(f(x) == y for x in xs)` is judged here on that list)."""
+        if isinstance(node, ast.GeneratorExp):
+            return ast.unparse(ast.ListComp(elt=node.elt, generators=node.generators))
+        return self.seg(node)
+
     def hole(self, node, tainted: bool = False):
         self.send_inputs(node)
-        self.steps.append(("eval", self.seg(node)))
+        self.steps.append(("eval", self.value_src(node)))
         if tainted or self.leaky(node):
             self.inside = True
         return ("hole", sum(1 for kind, _ in self.steps if kind == "eval") - 1)
@@ -388,8 +402,10 @@ def program_imports(code: str) -> tuple:
         return ()
     out = []
     for s in tree.body:
+        # never `from __future__ import ...`: replayed after other lines it is a SyntaxError, and the
+        # clean sandbox's failure scored a correct program 0 (issue 40); it binds nothing a test reads
         if isinstance(s, (ast.Import, ast.ImportFrom)) and all(a.asname is None and a.name != "*" for a in s.names) \
-                and not (isinstance(s, ast.ImportFrom) and (s.level or s.module == "builtins")):
+                and not (isinstance(s, ast.ImportFrom) and (s.level or s.module in ("builtins", "__future__"))):
             out.append(ast.unparse(s))
     return tuple(out)
 

@@ -7,7 +7,7 @@
 
 A term is `[WEIGHT*]NAME`, terms are joined by ' + ' (spaces around the plus). NAME is one of
 auto | countdown | gsm8k | gsm8k_flexible | code | length | model:PATH | module:function |
-/file.py[:function] (the reward interface: hpcrl/rl/rewards.py, docs/adapt.md).
+/file.py[:function] (the reward interface: hpcrl/rewards/score.py, docs/adapt.md).
 Every term's per-sample values are logged as reward/<name>; dict results' extra keys too.
 """
 
@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from pathlib import Path
 
-from . import rewards
+from . import score as rewards
 
 _TERM_RE = re.compile(r"^\s*(?:(?P<w>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*\*\s*)?(?P<name>\S.*?)\s*$")
 
@@ -73,6 +74,7 @@ class Reward:
         `batch` normalisation is over the global batch, the same on any number of ranks."""
         total = [0.0] * len(texts)
         metrics: dict = {}
+        details = [{"terms": {}, "reason": None, "extras": {}} for _ in texts]
         for weight, name, fn in self.terms:
             values = fn(examples, texts, dist=dist) if isinstance(fn, ModelReward) else fn(examples, texts)
             if len(values) != len(texts):
@@ -80,6 +82,9 @@ class Reward:
             scores = [_score_of(v, name) for v in values]
             total = [t + weight * s for t, s in zip(total, scores)]
             metrics.update(_extras(values, scores, name if len(self.terms) > 1 else None))
+            _note(details, values, scores, name, len(self.terms) > 1)
+        # each sample's own terms, reason and other keys: the trainer keeps them (RUN/samples)
+        self.details = details
         return total, metrics
 
 
@@ -90,6 +95,22 @@ def _call_any(fn):
                                          ground_truths=[e["ground_truth"] for e in ex],
                                          extra_infos=[e["extra_info"] for e in ex]))
     return lambda ex, texts: [fn(e["data_source"], t, e["ground_truth"], e["extra_info"]) for e, t in zip(ex, texts)]
+
+
+def _note(details: list, values: list, scores: list, term: str, many: bool) -> None:
+    """Each sample's score under `term`, the first string `reason` a term gave, and the terms'
+    other plain keys (prefixed by the term when there are several)."""
+    for d, v, s in zip(details, values, scores):
+        d["terms"][term] = s
+        if not isinstance(v, dict):
+            continue
+        for k, x in v.items():
+            if k == "score":
+                continue
+            if k == "reason" and isinstance(x, str) and d["reason"] is None:
+                d["reason"] = x
+            elif x is None or isinstance(x, (bool, int, float, str)):
+                d["extras"][f"{term}/{k}" if many else k] = x
 
 
 def _score_of(value, name: str) -> float:
@@ -129,9 +150,8 @@ class ModelReward:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from .prepare import _path
-
-        path = _path(path)
+        # recipes say $SCRATCH/...: expanded here, in the job's own environment (as rl/prepare.py does)
+        path = Path(os.path.expandvars(str(path))).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"args.reward: model:{path} is not a Hugging Face model directory (no config.json)")
         self.torch = torch
