@@ -20,6 +20,7 @@ from pathlib import Path
 from .atomicio import atomic_write_json, atomic_write_text
 from .errors import RunError, did_you_mean
 from .paths import hpcrl_home
+from .samplestore import SAMPLES_DIR
 
 
 class RunLayout:
@@ -76,6 +77,10 @@ class RunLayout:
     @property
     def metrics(self) -> Path:  # the trainer's metrics (JSON lines)
         return self.root / "metrics.jsonl"
+
+    @property
+    def samples(self) -> Path:  # the built-in trainer's samples of its steps (hpcrl/samplestore.py)
+        return self.root / SAMPLES_DIR
 
     @property
     def exports(self) -> Path:  # one JSON line per `hpcrl export`: where, from which step and digest

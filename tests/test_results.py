@@ -290,7 +290,7 @@ def _same_greedy_as_the_trainer(rdir: Path, exported: Path, records: list[dict])
     engine = HFRollout(trainer_model, trainer_tok, max_new_tokens=cfg["max_response_length"], record_logprobs=False)
     theirs = engine.generate(ids[:4], n=1, greedy=True).texts
     assert [t.strip() for t in texts[:4]] == [t.strip() for t in theirs]
-    from hpcrl.rl import reward_mix
+    from hpcrl.rewards import mix as reward_mix
 
     scores, _ = reward_mix.Reward(cfg, torch.device("cpu"))(val[:len(texts)], texts)  # the trainer's own reward
     logged = next(r for r in records if r.get("phase") == "eval_after")["eval/reward_mean"]

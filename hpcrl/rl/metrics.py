@@ -21,6 +21,18 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """A step's kept samples as a wandb table (TRL's completions table), when wandb is on."""
+        if self._wandb is None:
+            return
+        import wandb
+
+        cols = ["step", "group", "prompt", "response", "reward", "reason", "advantage"]
+        rows = [[s["step"], s["group"], "\n".join(str(t.get("content", "")) for t in s["turns"][:-1]),
+                 s["turns"][-1].get("content", ""), s["reward"], s.get("reason") or "", s["advantage"]]
+                for s in samples]
+        self._wandb.log({"samples": wandb.Table(columns=cols, data=rows)}, step=step)
+
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()

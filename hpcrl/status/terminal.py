@@ -227,3 +227,22 @@ def follow_with_progress(run, index: int, poll_s: float = 0.5) -> None:
 
 def is_terminal() -> bool:
     return sys.stdout.isatty()
+
+
+# ---------------------------------------------------------------- samples
+
+
+SAMPLE_STYLES = {"head": "bold", "score": "cyan", "role": "dim", "prompt": "dim", "response": ""}
+
+
+def samples(chosen: list[dict], head: str, out: Console | None = None) -> None:
+    """`hpcrl samples` on a terminal: status/samples.py's lines (wrapped to the terminal's width,
+    at least 40), styled by kind."""
+    from . import samples as view
+
+    out = out or console()
+    out.print(Text(head, style="bold"))
+    for line, kind in view.lines(chosen, out.width):
+        t = Text(line, style=SAMPLE_STYLES.get(kind, ""))
+        t.no_wrap = True
+        out.print(t)

@@ -461,7 +461,9 @@ def error_line(state: dict, reason: str) -> str:
 def detail_paths(run: Run) -> list[tuple[str, Path]]:
     lay = run.layout
     return [("run dir", lay.root), ("script", lay.script), ("spec", lay.spec), ("logs", lay.logs),
-            ("checkpoints", lay.checkpoints), ("metrics", lay.metrics), ("state", lay.state)]
+            ("checkpoints", lay.checkpoints), ("metrics", lay.metrics),
+            # the built-in trainer's samples of its steps (`hpcrl samples RUN` reads them)
+            *([("samples", lay.samples)] if lay.samples.is_dir() else []), ("state", lay.state)]
 
 
 def detail(run: Run, state: dict, row: dict) -> str:
