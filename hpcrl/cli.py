@@ -83,7 +83,13 @@ def cmd_render(ns) -> int:
 def cmd_submit(ns) -> int:
     from . import control
 
-    run = control.submit(_resolve(ns), ns.name, check_artifacts=not ns.no_check_artifacts)
+    try:
+        run = control.submit(_resolve(ns), ns.name, check_artifacts=not ns.no_check_artifacts)
+    except KeyboardInterrupt:
+        # control.submit leaves nothing of a run that was not queued (its checks and the venv
+        # build come first; a run directory half made is removed): one line, not a traceback
+        print("hpcrl: interrupted: nothing was submitted", file=sys.stderr)
+        return 130
     state = run.state()
     job = state["segments"][-1]["job_id"] if state["segments"] else "-"
     print(f"submitted run {run.id} (job {job}) on site {state['site']}")
@@ -445,6 +451,31 @@ def cmd_metrics(ns) -> int:
     return 0
 
 
+def cmd_samples(ns) -> int:
+    from . import runs
+    from .status import samples
+
+    run = runs.Run.by_id(ns.run)
+    if ns.limit is not None and ns.limit < 0:
+        raise HpcrlError(f"--limit {ns.limit}: give a number of samples (0: all)")
+    if ns.format == "parquet" and not ns.out:
+        raise HpcrlError("--format parquet is binary: give --out FILE.parquet")
+    order = "worst" if ns.worst else "best" if ns.best else None
+    chosen, head = samples.choose(run, step=ns.step, order=order, reason=ns.reason, limit=ns.limit,
+                                  everything=ns.format is not None)
+    if ns.format:
+        samples.export(chosen, ns.format, ns.out or sys.stdout)
+        if ns.out:
+            print(f"wrote {len(chosen)} samples to {ns.out}", file=sys.stderr)
+    elif _terminal():
+        from .status import terminal
+
+        terminal.samples(chosen, head)
+    else:
+        samples.print_text(chosen, head)
+    return 0
+
+
 def cmd_segment(ns) -> int:
     """Called by the segment script inside the job (not for users)."""
     from . import control
@@ -620,6 +651,19 @@ def build_parser(listing: bool = False, only: str | None = None) -> argparse.Arg
     sp.add_argument("--format", default="csv", choices=["csv", "parquet", "jsonl"], help="default csv")
     sp.add_argument("--out", help="file to write (default: stdout; parquet needs a file)")
     sp.set_defaults(func=cmd_metrics)
+    sp = sub.add_parser("samples", help="what the model generated at a step: prompts, responses, reward terms, "
+                        "reasons, advantages (built-in trainer)")
+    sp.add_argument("run", help=RUN_HELP)
+    sp.add_argument("--step", type=int, help="this step only (default: the newest; with --worst, --best or "
+                                             "--reason every kept step)")
+    which = sp.add_mutually_exclusive_group()
+    which.add_argument("--worst", action="store_true", help="lowest reward first")
+    which.add_argument("--best", action="store_true", help="highest reward first")
+    sp.add_argument("--reason", metavar="R", help="only samples whose reward's reason is R (e.g. syntax_error)")
+    sp.add_argument("--limit", type=int, metavar="K", help="at most K samples (default 8 shown, all exported; 0: all)")
+    sp.add_argument("--format", choices=["jsonl", "parquet"], help="export instead of showing (parquet needs --out)")
+    sp.add_argument("--out", help="file to export to (default: stdout)")
+    sp.set_defaults(func=cmd_samples)
     for name, help_ in FORWARDED.items():
         # parsed by hpcrl.rl.commands in its own process (main() forwards every argument, --help
         # included); the top-level help names their sub-commands, read from that file's source
@@ -684,6 +728,9 @@ def main(argv=None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback (130: the shell's code for SIGINT)
+        print("hpcrl: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -141,13 +141,17 @@ def create_run(resolved: dict, run_id: str | None = None) -> Run:
     except OSError as e:
         raise RunError(f"cannot create the outputs directory {run_dir.parent}: {e.strerror}") from None
     tmp = run_dir.parent / f".tmp-{run_id}-{os.getpid()}"
+    renamed = False
     try:
         _write_run_dir(tmp, run_dir, resolved, run_id, script)
         os.rename(tmp, run_dir)
-    except BaseException:
+        renamed = True
+        runs.register(run_id, run_dir)
+    except BaseException:  # a Ctrl-C included: no directory of ours left without its registry entry
         shutil.rmtree(tmp, ignore_errors=True)
+        if renamed and run_id not in runs.registered_ids():
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    runs.register(run_id, run_dir)
     return Run(run_dir)
 
 
@@ -322,7 +326,7 @@ def segment_begin(run_dir: str, job_id: str, environ=None) -> tuple[int, float, 
     protocol.take_error(run.dir)  # an earlier attempt's reason is history (and in state.json)
     with run.locked() as state:
         seg, actions = lifecycle.begin(state, str(job_id), step, clock(),
-                                       chains=not backend.reconciles_outside_job)
+                                       chains=not backend.reconciles_outside_job, work=protocol.read_progress(run.dir))
         if seg["state"] == lifecycle.SegState.SKIPPED:
             _carry_out(run, state, actions, backend)
             return None
@@ -395,7 +399,7 @@ def segment_end(run_dir: str, job_id: str, rc: int, environ=None) -> None:
                                 chains=not backend.reconciles_outside_job, exit_complete=protocol.EXIT_COMPLETE,
                                 exit_continue=protocol.EXIT_CONTINUE, error_tail=lambda: error_tail(run, state),
                                 error=protocol.take_error(run.dir), trained=_trained(run, state, str(job_id)),
-                                own_tail=_own_tail(run, str(job_id)))
+                                own_tail=_own_tail(run, str(job_id)), work=protocol.read_progress(run.dir))
         run.layout.checkpointing_flag.unlink(missing_ok=True)
         try:
             _carry_out(run, state, actions, backend)

@@ -183,7 +183,7 @@ def budget_stop(state: dict) -> dict | None:
     """Why the chain must not run another segment (counting those started so far), or None."""
     budget = state["budget"]
     if state["no_progress"] >= CRASH_LOOP_SEGMENTS:
-        return {"kind": Stop.CRASH_LOOP.value}
+        return {"kind": Stop.CRASH_LOOP.value, "hours": budget.get("hours")}
     used = used_hours(state)
     if budget.get("total_hours") is not None and used >= budget["total_hours"] - 1e-9:
         return {"kind": Stop.BUDGET.value, "used": used, "total": budget["total_hours"]}
@@ -195,7 +195,8 @@ def budget_stop(state: dict) -> dict | None:
 _TEXT = {  # what a person reads for each stop reason (fields of the stop record, and run_id)
     Stop.BUDGET: "budget spent ({used:.2f} of {total:g} h)",
     Stop.MAX_SEGMENTS: "max_segments reached ({max})",
-    Stop.CRASH_LOOP: "no checkpoint progress in " + str(CRASH_LOOP_SEGMENTS) + " segments in a row; last error: {error}",
+    Stop.CRASH_LOOP: ("no checkpoint progress in " + str(CRASH_LOOP_SEGMENTS) + " segments in a row{of_hours}; "
+                      "last error: {error}"),
     Stop.COMPLETE: "training complete",
     Stop.CANCELLED: "cancelled by the user",
     Stop.NO_JOBS: "no job left in the queue (ended outside hpcrl); `hpcrl resume {run_id}` continues it",
@@ -212,7 +213,9 @@ _TEXT = {  # what a person reads for each stop reason (fields of the stop record
 def describe(stop: dict, run_id: str = "RUN") -> str:
     """The text a person reads for a stop reason."""
     given = {k: v for k, v in stop.items() if v is not None}
-    fields = {"error": "(no log output)", "step": "none (it starts over)", **given, "run_id": run_id}
+    of_hours = f" ({given['hours']:g} h each)" if isinstance(given.get("hours"), (int, float)) else ""
+    fields = {"error": "(no log output)", "step": "none (it starts over)", **given, "run_id": run_id,
+              "of_hours": of_hours}
     return _TEXT[Stop(stop["kind"])].format(**fields)
 
 
@@ -224,13 +227,18 @@ def fix_flag(stop: dict) -> str:
 def _count_progress(state: dict, seg: dict) -> None:
     start, end = seg.get("start_step"), seg.get("end_step")
     progressed = end is not None and (start is None or end > start)
+    # work kept besides checkpoints (protocol.write_progress: an evaluation's batches) counts too;
+    # a segment that crashes before it keeps anything still counts as none
+    progressed = progressed or (seg.get("end_work") or 0) > (seg.get("start_work") or 0)
     state["no_progress"] = 0 if progressed else state.get("no_progress", 0) + 1
 
 
-def mark_lost(state: dict, seg: dict, step: int | None, why: str, now: float) -> None:
-    """A running segment whose job ended without its end hook: judged by its checkpoints. The one
-    place that closes a segment as LOST."""
+def mark_lost(state: dict, seg: dict, step: int | None, why: str, now: float, work: int | None = None) -> None:
+    """A running segment whose job ended without its end hook: judged by its checkpoints (and the
+    work it kept, when known). The one place that closes a segment as LOST."""
     seg.update(state=SegState.LOST.value, ended=now, end_step=step, rc=None, reason=why)
+    if work is not None:
+        seg["end_work"] = work
     _count_progress(state, seg)
     add_event(state, f"segment {seg.get('k') or '-'} (job {seg.get('job_id')}) {why}", now)
 
@@ -274,9 +282,11 @@ def _state_stop(state: dict) -> dict | None:
 # ---------------------------------------------------------------- segment hooks
 
 
-def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) -> tuple[dict, list]:
+def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool,
+          work: int | None = None) -> tuple[dict, list]:
     """A segment starts (`_segment begin` in the job). Returns (segment, actions); the segment's
-    state is SKIPPED when the run needs nothing more, else RUNNING with its number `k`."""
+    state is SKIPPED when the run needs nothing more, else RUNNING with its number `k`.
+    work: the trainer's count of work kept besides checkpoints (protocol.read_progress), if any."""
     seg = segment_by_job(state, job_id)
     if seg is None:  # a job the user submitted by hand (sbatch job.sh): adopt it
         seg = {"job_id": str(job_id), "submitted": now, "after": None}
@@ -286,12 +296,14 @@ def begin(state: dict, job_id: str, step: int | None, now: float, chains: bool) 
     for other in state["segments"]:
         # still RUNNING while another starts: it ended without its end hook
         if other is not seg and other.get("state") == SegState.RUNNING.value:
-            mark_lost(state, other, step, "ended without its end hook", now)
+            mark_lost(state, other, step, "ended without its end hook", now, work)
     stop = _state_stop(state) or _user_stop(state, step) or budget_stop(state)
     if stop:
         seg.update(state=SegState.SKIPPED.value, started=None, ended=now, reason=describe(stop, state["run_id"]))
         return seg, finish(state, stop, now, state["run_id"])
     seg.update(state=SegState.RUNNING.value, started=now, start_step=step, k=seg.get("k") or ran_segments(state) + 1)
+    if work is not None:
+        seg["start_work"] = work
     _set(state, RunState.RUNNING)
     add_event(state, f"segment {seg['k']} started (job {job_id})", now)
     # A requeued job's successor, queued by its first start, still waits for it (afterany counts
@@ -339,15 +351,19 @@ def needs_successor(state: dict, job_id: str) -> list:
 
 def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obeys_protocol: bool,
         chains: bool, exit_complete: int, exit_continue: int, error_tail=None, error: str | None = None,
-        trained: bool | None = None, own_tail: str | None = None) -> list:
+        trained: bool | None = None, own_tail: str | None = None, work: int | None = None) -> list:
     """The trainer of a segment exited with `rc` (`_segment end`). Returns the actions.
-    error: the reason the trainer itself gave for failing (protocol.ERROR_FILE), if any.
+    error: the reason the trainer itself gave for failing (protocol.ERROR_FILE), if any; one given
+    with a continuation (it stopped before it could save anything) is kept for a crash loop's text.
+    work: the trainer's count of work kept besides checkpoints (protocol.read_progress), if any.
     trained: whether the segment logged a training step (None: unknown, judged as trained);
     own_tail: the last line of this segment's own log (what a failure without a reason said)."""
     seg = segment_by_job(state, job_id)
     if seg is None or seg_state(seg) != SegState.RUNNING:
         return []
     seg.update(ended=now, rc=rc, end_step=step)
+    if work is not None:
+        seg["end_work"] = work
     if rc == exit_complete:
         seg["state"] = SegState.COMPLETE.value
         add_event(state, f"segment {seg['k']} completed the training", now)
@@ -357,8 +373,9 @@ def end(state: dict, job_id: str, rc: int, step: int | None, now: float, *, obey
     # advanced its checkpoint is a continuation, whatever its exit code.
     ok = rc == exit_continue or (not obeys_protocol and state["no_progress"] == 0)
     seg["state"] = (SegState.CONTINUE if ok else SegState.FAILED).value
-    if not ok and error:
-        seg["error"] = error
+    if error:
+        if not ok:
+            seg["error"] = error
         error_tail = lambda: error  # noqa: E731 - the trainer's own words beat its log's last lines
     add_event(state, f"segment {seg['k']} ended with exit code {rc} at checkpoint step {step}"
               + (f": {error}" if not ok and error else ""), now)

@@ -30,6 +30,12 @@ A trainer that fails for a reason it knows (a full disk, steps its loop ended wi
 writes that reason, one line, to RUN_DIR/trainer_error.txt (ERROR_FILE) before it exits non-zero:
 `_segment end` records it with the failed segment, and `status` shows it (a log's last lines are
 often a traceback's or the framework's, not the cause). `_segment begin` removes an old one.
+A trainer that stops for continuation before it could save anything may leave its reason there
+too (the built-in trainer: how long its start-up and first evaluation took): it is shown only if
+the run then fails for lack of progress.
+
+Progress is the checkpoint's step, and, for a trainer that keeps other work across segments, the
+`work` count in RUN_DIR/progress.json (PROGRESS_FILE, `write_progress`).
 
 The checkpoint layout is not part of this contract: each trainer adapter says how the launcher
 finds its trainer's last checkpoint (trainers/base.py `checkpoint_step`). hpcrl's own trainers
@@ -59,6 +65,7 @@ ENV_EXIT_FILE = "HPCRL_EXIT_FILE"
 
 METRICS_FILE = "metrics.jsonl"
 ERROR_FILE = "trainer_error.txt"  # in RUN_DIR: the failed trainer's own reason, one line
+PROGRESS_FILE = "progress.json"  # in RUN_DIR: work the trainer kept besides its checkpoints
 
 
 # ---------------------------------------------------------------- environment
@@ -213,6 +220,29 @@ def read_last_metrics(path, max_bytes: int = 65536, key: str | None = None) -> d
         if isinstance(rec, dict) and (key is None or key in rec):
             return rec
     return None
+
+
+# ---------------------------------------------------------------- progress besides checkpoints
+
+
+def write_progress(run_dir, work: int) -> None:
+    """Record `work`, a count that only grows, of what the trainer kept outside its checkpoints (the
+    built-in trainer: evaluation rows scored and kept, so an evaluation longer than a segment goes
+    on in the next). A segment that raised it made progress, as one that advanced the checkpoint
+    did: the crash-loop rule (two segments in a row without progress fail the run) then does not
+    fail a run whose first evaluation simply spans segments. Atomic: a torn file reads as none."""
+    path = Path(run_dir) / PROGRESS_FILE
+    tmp = path.with_name(f".{PROGRESS_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"work": int(work)}) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_progress(run_dir) -> int | None:
+    """The trainer's `work` count (write_progress), or None when it keeps none."""
+    try:
+        return int(json.loads((Path(run_dir) / PROGRESS_FILE).read_text(encoding="utf-8"))["work"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # ---------------------------------------------------------------- a failure's reason

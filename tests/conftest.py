@@ -78,7 +78,8 @@ QUICK = (
     "test_slurm_parse.py", "test_trainer_args.py", "test_render.py", "test_ranks_render.py",
     "test_recipes_render.py", "test_maxtext.py", "test_tpu_backend.py",
     "rl/test_algos.py", "rl/test_memory.py", "rl/test_rewards.py", "rl/test_rollout_and_checkpoint.py",
-    "rl/test_data_and_commands.py", "rl/test_config.py", "rl/test_walltime.py",
+    "rl/test_data_and_commands.py", "rl/test_config.py", "rl/test_walltime.py", "test_samples.py",
+    "test_env_documented.py",
 )
 NOT_QUICK = (
     "rl/test_rewards.py::test_reward_model_batch_normalisation_is_global_and_truncates_from_the_left",  # ~21 s

@@ -129,7 +129,7 @@ def test_an_importable_module_reward_is_accepted_at_submit(fast_local, tmp_path)
 
 
 def test_reward_names_of_the_schema_are_the_trainers():
-    from hpcrl.rl import rewards
+    from hpcrl.rewards import score as rewards
     from hpcrl.schemas.builtin import REWARD_NAMES
 
     assert set(REWARD_NAMES) == set(rewards.BUILTIN) | {"length"}
@@ -279,7 +279,7 @@ def test_plot_of_a_long_run_is_readable(home, tmp_path):
     from PIL import Image
 
     from hpcrl import runs
-    from hpcrl.rl.reward_mix import _key
+    from hpcrl.rewards.mix import _key
 
     rdir = tmp_path / "runs" / "long-run"
     rdir.mkdir(parents=True)

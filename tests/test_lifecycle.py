@@ -515,3 +515,42 @@ def test_preemption_back_off_and_retries_since_the_last_resume():
 def test_planned_segments():
     assert lifecycle.planned_segments({"hours": 4, "total_hours": 10, "max_segments": 20}) == 3
     assert lifecycle.planned_segments({"hours": 4, "total_hours": None, "max_segments": 20}) == 20
+
+
+def _segment_keeping(run, clock, sched, work: int | None, note: str | None = None) -> None:
+    """A segment that stops for continuation (85) without a checkpoint: it kept `work` (the
+    trainer's protocol.write_progress count, None: never written) and left `note` as its reason."""
+    job = [s for s in run.state()["segments"] if s["state"] == SegState.QUEUED][0]["job_id"]
+    sched.jobs[job]["state"] = JobState.RUNNING
+    control.segment_begin(str(run.dir), job, environ={})
+    clock.advance(180)
+    if work is not None:
+        protocol.write_progress(run.dir, work)
+    if note:
+        protocol.report_error(run.dir, note)
+    control.segment_end(str(run.dir), job, CONTINUE)
+    sched.jobs[job]["state"] = JobState.COMPLETED
+
+
+def test_kept_evaluation_work_is_progress_and_a_crash_loop_shows_the_trainers_numbers(chain):
+    """#41 item 5: segments that stop inside a long first evaluation save no checkpoint but keep its
+    batches (the progress count rises): not a crash loop. Two that keep nothing are one, and the
+    run's reason names the segment length and the trainer's own note (start-up and evaluation
+    times, what to change), not "(no log output)"."""
+    make_run, clock, sched = chain
+    run = make_run("ev", hours=0.05)
+    for work in (16, 32, 48):
+        _segment_keeping(run, clock, sched, work, note="stopped (SIGUSR1) before the first training step")
+    state = run.state()
+    assert state["state"] == RunState.RESUBMITTED and state["no_progress"] == 0, state["reason"]
+    assert [(s.get("start_work"), s["end_work"]) for s in state["segments"] if s.get("started")] == [
+        (None, 16), (16, 32), (32, 48)]
+    note = ("stopped (deadline) before the first training step: the start-up took 170 s and eval_before 0 s of this "
+            "segment (48 of 192 eval rows kept so far); raise --hours, or set args.eval_before=false")
+    _segment_keeping(run, clock, sched, 48, note)
+    assert run.state()["state"] == RunState.RESUBMITTED, "one segment without progress is not a loop"
+    _segment_keeping(run, clock, sched, 48, note)
+    state = run.state()
+    assert state["state"] == RunState.FAILED and state["stop"]["kind"] == Stop.CRASH_LOOP
+    assert state["reason"] == f"no checkpoint progress in 2 segments in a row (0.05 h each); last error: {note}"
+    assert [s["state"] for s in state["segments"] if s.get("started")] == [SegState.CONTINUE] * 5

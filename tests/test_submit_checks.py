@@ -161,3 +161,118 @@ def test_the_probe_reads_the_reward_source_not_a_stale_cache_and_leaves_none(tmp
     with pytest.raises(SpecError, match="SystemExit: bad one"):
         BuiltinTrainer().check_python({"reward": f"{file}:score"}, sys.executable, {})
     assert not (tmp_path / "__pycache__").exists()
+
+
+@pytest.mark.parametrize("body, said", [
+    # the issue's case: a reward written for (text, answer) passed the import check and failed two
+    # segments later with a TypeError
+    ("def score(text, answer):\n    return 1.0\n",
+     "does not take the reward's arguments: it is score(text, answer) (too many positional arguments); define "
+     "score(data_source, solution_str, ground_truth, extra_info=None) returning a float or a dict with 'score', "
+     "or the batch form score(data_sources, solution_strs, ground_truths, extra_infos) returning a list"),
+    ("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return ground_truth['target']\n",
+     "raised TypeError: string indices must be integers, not 'str' on the first row of {train} with an empty "
+     "response; the trainer's first step would fail the same way: it must score any response"),
+    ("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return {'reason': 'ok'}\n",
+     "returned {'reason': 'ok'} (dict) on the first row of {train} with an empty response; return a float or a "
+     "dict with 'score'"),
+])
+def test_a_reward_that_cannot_score_a_row_of_the_data_is_refused_at_submit(fast_local, home, tmp_path, body, said):
+    """#41 item 6: the reward is called once, in the job's interpreter, on the first row of the
+    training data, as the trainer calls it: a wrong signature, a failure on the row, or a value
+    that is not a score is one line at submit, and no run is left."""
+    file = tmp_path / "my_reward.py"
+    file.write_text(body)
+    train = _parquet(tmp_path / "train.parquet", 8)
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "sig",
+              "--set", f"args.reward={file}:score", "--set", "args.data=files", "--set", f"args.train_files={train}",
+              check=False)
+    _refused(home, r, f"args.reward: {file}:score " + said.replace("{train}", str(train)))
+
+
+def test_the_reward_signature_is_checked_without_a_row_and_both_forms_pass(tmp_path):
+    """Generated data (no file at submit): the signature alone, as the trainer binds it; a per-sample
+    and a batch reward that fit are accepted, by path and by module."""
+    from hpcrl.trainers.builtin import BuiltinTrainer
+
+    file = tmp_path / "r.py"
+    file.write_text("def one(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+                    "def many(data_sources, solution_strs, ground_truths, extra_infos=None):\n"
+                    "    return [{'score': 0.0}] * len(solution_strs)\n"
+                    "def wrong(data_sources, solution_strs):\n    return []\n")
+    train = _parquet(tmp_path / "train.parquet", 4)
+    env = {"PYTHONPATH": str(tmp_path)}
+    for reward in (f"{file}:one", f"{file}:many", "r:one", "r:many + 0.5*r:one"):
+        for data in ({}, {"data": "files", "train_files": str(train)}):
+            BuiltinTrainer().check_python({"reward": reward, **data}, sys.executable, env)
+    with pytest.raises(SpecError, match=r"args.reward: r:wrong does not take the reward's arguments: it is "
+                                        r"wrong\(data_sources, solution_strs\) \(got an unexpected keyword"):
+        BuiltinTrainer().check_python({"reward": "r:wrong"}, sys.executable, env)
+
+
+def test_a_reward_model_that_is_not_a_classifier_is_refused_without_loading_it(fast_local, home, tmp_path):
+    """A causal LM as model:PATH loads with a new, untrained score head: its rewards are noise."""
+    lm = tmp_path / "SmolLM2"
+    lm.mkdir()
+    (lm / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "rm",
+              "--set", f"args.reward=model:{lm}", check=False)
+    _refused(home, r, f"args.reward: model:{lm} is a LlamaForCausalLM, not a sequence-classification model")
+    (lm / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    from hpcrl.trainers.builtin import BuiltinTrainer
+
+    BuiltinTrainer().check_python({"reward": f"model:{lm}"}, sys.executable, {})
+
+
+def test_the_passes_over_a_small_training_file_are_stated_at_submit(tmp_path, capfd):
+    """#41 item 7: 1000 steps of 32 prompts on 18 rows went by in silence; submit now says it (a
+    note, not a refusal: many passes over a small set is a fair test), and nothing for one pass."""
+    from hpcrl.trainers.builtin import BuiltinTrainer
+
+    train = _parquet(tmp_path / "train.parquet", 18)
+    args = {"data": "files", "train_files": str(train), "total_steps": 1000, "batch_size": 32}
+    BuiltinTrainer().check_python(args, sys.executable, {})
+    err = capfd.readouterr().err
+    assert err.strip() == (f"hpcrl: note: args.total_steps 1000 x args.batch_size 32 prompts = 1777.8 passes over the "
+                           f"18 rows of {train}; a step of 32 prompts repeats rows within itself; lower them, or give "
+                           f"more rows, if that is not what you meant"), err
+    BuiltinTrainer().check_python({**args, "total_steps": 2, "batch_size": 9}, sys.executable, {})
+    assert capfd.readouterr().err == ""
+
+
+def test_ctrl_c_during_submit_is_one_line_and_leaves_no_run(fast_local, home, tmp_path):
+    """#41 item 7: Ctrl-C in `hpcrl submit` printed a KeyboardInterrupt traceback. The interrupt
+    lands while submit waits on its checks (a reward whose import waits here, in the probe, in the
+    job's interpreter): one line, exit 130, and nothing of the run."""
+    import os
+    import signal
+    import subprocess
+
+    from helpers import wait_until
+
+    started = tmp_path / "importing"
+    file = tmp_path / "slow_reward.py"
+    file.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(600)\n\n"
+                    "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", "--site", fast_local, "--trainer", "builtin",
+                             "--hours", "0.01", "--name", "intr", "--set", f"args.reward={file}:score"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    wait_until(lambda: started.exists(), 120, "the probe importing the reward", proc=proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err == "hpcrl: interrupted: nothing was submitted\n", (proc.returncode, err)
+    assert _no_run_left(home)
+
+
+def test_a_verl_reward_is_checked_as_verl_calls_it_by_keyword(fast_local, home, tmp_path):
+    """verl's reward manager passes data_source=, solution_str=, ... by name: a function whose
+    parameters are named otherwise works positionally (the built-in trainer) but not there."""
+    file = tmp_path / "r.py"
+    file.write_text("def score(ds, sol, gt, extra_info=None):\n    return 0.0\n")
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "verl", "--hours", "0.01", "--name", "vkw",
+              *_verl_args(tmp_path), "--set", f"args.reward={file}:score", check=False)
+    _refused(home, r, f"args.reward: {file}:score does not take the reward's arguments: it is "
+                      f"score(ds, sol, gt, extra_info=None) (missing a required argument: 'ds'); define score(")
+    from hpcrl.trainers.builtin import BuiltinTrainer
+
+    BuiltinTrainer().check_python({"reward": f"{file}:score"}, sys.executable, {})  # positionally it fits

@@ -17,7 +17,8 @@ import torch
 from .. import protocol
 from ..checkpoints.trainer import checkpointer as checkpoint
 from ..schemas.builtin import ALGORITHMS
-from . import algos, build, data, fsdp, metrics, parallel, policy, prepare, reward_mix, walltime, warmup
+from ..rewards import mix as reward_mix
+from . import algos, build, data, fsdp, metrics, parallel, policy, prepare, samples, walltime, warmup
 from .dist import Dist, generator, stream_seed
 from .evaluate import Evaluation
 from .parallel import SaveFailed  # noqa: F401  (train.py reports it)
@@ -48,6 +49,7 @@ class RLTrainer(Update, Evaluation):
                 return self._stop_exit()
             random.seed(cfg.seed)
             torch.manual_seed(cfg.seed)
+        self.t_train0 = time.monotonic()  # the time rule of the run's first checkpoint counts from here
         while self.step < self.total:
             reason = self.walltime.before_step(self._save_budget_s())
             if reason:
@@ -56,7 +58,7 @@ class RLTrainer(Update, Evaluation):
                 return self._stop_exit(self.walltime.agreed())
             if self.step == cfg.sft_steps and cfg.sft_steps > 0:
                 self._end_of_warmup()
-            if self._due(cfg.save_every):
+            if self._due(cfg.save_every) or self._first_save_due():
                 self._save(background=None)
             if self._due(cfg.eval_every) and self._evaluate("eval") is None:
                 return self._stop_exit()  # a stop cut it short (the step itself is done)
@@ -78,6 +80,10 @@ class RLTrainer(Update, Evaluation):
         reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
         adv = algos.group_advantages(torch.tensor(values, dtype=torch.float32), G,
                                      scale_by_std=ALGORITHMS[cfg.algorithm].scale_by_std)
+        if self.samples.due(self.step + 1):  # what was generated and how it scored: RUN/samples
+            self.samples.keep(self.step + 1, samples.records(
+                examples, [idx[p] for p in mine], batch.texts, values, getattr(self.reward, "details", None),
+                adv.tolist(), mine.start, G), self.log)
         self._release_rollout()
         stats = self._update(batch, adv.to(self.device), row0=mine.start * G)
         self._sync_rollout()
@@ -87,6 +93,7 @@ class RLTrainer(Update, Evaluation):
 
     def __init__(self, cfg, ctx: protocol.Context, stop: protocol.StopFlag):
         self.cfg, self.ctx, self.stop = cfg, ctx, stop
+        self.t_init = time.monotonic()  # a stop before the first step says how long the start-up took
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
@@ -115,6 +122,7 @@ class RLTrainer(Update, Evaluation):
         self.log = (metrics.MetricsLog(ctx.metrics_path, ctx.run_dir, ctx.segment, cfg.wandb_project)
                     if self.dist.is_main else _NoLog())
         self.sampler = EpochSampler(len(self.train_ids), cfg.seed)
+        self.samples = samples.Keeper(cfg, ctx.run_dir, ctx.segment, self.dist)
         self.walltime = walltime.Walltime(stop, ctx, self.dist)
         self.step = 0
         # the checkpoint this process loaded or wrote (not the pointer: it may name a corrupt one)
@@ -158,6 +166,16 @@ class RLTrainer(Update, Evaluation):
         """A save or evaluation every `every` steps (0: never), the last step's being the end's."""
         return bool(every) and self.step % every == 0 and self.step < self.total
 
+    def _first_save_due(self) -> bool:
+        """The run's first checkpoint, by time as well as steps: a segment that has trained for
+        args.save_first_after_s with none in the run saves now, so a hard kill (a node failure, an
+        uninterruptible phase run into the walltime) cannot take every step of it. The ranks agree
+        (a save is collective; clocks differ): one collective a step until that save."""
+        after = self.cfg.save_first_after_s
+        if not after or self.saved_step is not None or self.step >= self.total:
+            return False
+        return bool(self.dist.max([float(time.monotonic() - self.t_train0 >= after)])[0])
+
     def _exit(self, code: int) -> int:
         """Every rank has finished (saved): rank 0 reports the code; all exit 0 under a launcher."""
         self.dist.barrier()
@@ -187,6 +205,12 @@ class RLTrainer(Update, Evaluation):
         else:
             self.par.wait(self.ckpt)
         self._close_checkpoints()
+        if self.saved_step is None and self.step == 0 and self.dist.is_main:
+            # nothing trained yet: if this repeats, the run fails for lack of progress, and this
+            # line (the trainer's own reason) is what `status` then shows
+            note = self._slow_start_note(reason)
+            self._say(note)
+            protocol.report_error(self.ctx.run_dir, note)
         self._say(f"stopping at step {self.step} ({reason}); checkpoint at step "
                   f"{self.saved_step}{f' (save {self.ckpt.last_save_s:.2f} s)' if save else ''}; "
                   f"exit {protocol.EXIT_CONTINUE} for the next segment; "

@@ -106,7 +106,7 @@ def _check_reward(a: dict, where) -> None:
                  f"use {' | '.join(REWARD_NAMES)}, model:PATH, module:function or /path/file.py[:function]")
 
 
-# The reward names the trainer knows (hpcrl/rl/rewards.py BUILTIN, plus reward_mix's `length`;
+# The reward names the trainer knows (hpcrl/rewards/score.py BUILTIN, plus rewards/mix.py's `length`;
 # tests/test_first_hour.py holds the two lists together).
 REWARD_NAMES = ("auto", "countdown", "gsm8k", "gsm8k_flexible", "code", "length")
 
@@ -167,7 +167,7 @@ SCHEMA = Schema("builtin", [
     Str("reward", "auto", "terms [WEIGHT*]NAME joined by ' + ', NAME: auto (by data_source) | countdown | gsm8k | "
         "gsm8k_flexible | code | length | model:PATH | module:function | /file.py:function "
         "(e.g. 'code + 0.1*length'; docs/adapt.md)", nonempty=True),
-    # --- the code reward (sandbox: hpcrl/rl/sandbox.py)
+    # --- the code reward (sandbox: hpcrl/rewards/sandbox.py)
     Float("code_timeout_s", 5.0, "wall-clock limit of one sample's tests", gt=0, le=600),
     Int("code_memory_mb", 512, "address-space limit of one sample", ge=64),
     Int("code_workers", 0, "samples run at once; 0: one per CPU of this rank (its affinity mask, divided by "
@@ -220,13 +220,16 @@ SCHEMA = Schema("builtin", [
     Int("vllm_tensor_parallel_size", 1, "GPUs that share one vLLM engine (rollout: vllm): 1, one engine per GPU; "
         "more for a model whose weights and KV cache do not fit one GPU (must divide the ranks)", ge=1),
     # --- evaluation
-    Bool("eval_before", True, "evaluate on the val split before training (segment 1 only)"),
+    Bool("eval_before", True, "evaluate on the val split before training (once per run; kept batch by batch, so "
+         "an evaluation longer than a segment goes on in the next)"),
     Bool("eval_after", True, "evaluate after the last step"),
     Int("eval_every", 0, "steps between evaluations; 0: only before/after", ge=0),
     Int("eval_size", 256, "rows of the val split used", ge=1),
     Int("eval_batch_size", 64, "prompts per evaluation batch", ge=1),
     # --- checkpoints and runtime
     Int("save_every", 50, "steps between periodic checkpoints (a stop always saves); 0: only at stops", ge=0),
+    Float("save_first_after_s", 600.0, "the run's first checkpoint by time as well as steps: once a segment has "
+          "trained this long with none in the run (a hard kill would lose it all); 0: by steps only", ge=0),
     Int("keep_last", 3, "checkpoints kept", ge=1),
     Bool("async_save", True, "write periodic checkpoints in a background thread"),
     Int("seed", 0, "seed of every random stream", ge=0),
@@ -242,6 +245,11 @@ SCHEMA = Schema("builtin", [
            "eval on weights gathered for the phase, vLLM's weights streamed to it a tensor at a time; each rank writes and reads its part of every checkpoint, whole tensors any world size loads); auto: ddp"),
     Float("dist_timeout_s", 300.0, "longest any collective may wait for a peer before the rank fails (bounds a hang "
           "on a stuck peer; a dead peer's closed connection fails at once)", gt=0),
+    # --- samples of the steps (hpcrl/samplestore.py; `hpcrl samples RUN` shows them)
+    Int("samples_every", 1, "keep the prompt, response, reward terms, reason and advantage of every sample of "
+        "every this many RL steps in RUN/samples (0: none)", ge=0),
+    Float("samples_max_mb", 200.0, "the run's samples kept within this many MB: older steps are thinned (every "
+          "2nd, 4th, ... kept), the run never stops for it", gt=0),
     Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",
         nullable=True),
 ], checks=[_check_data_files, _check_batches, _check_countdown, _check_tiny, _check_reward])

@@ -22,26 +22,85 @@ from ..errors import SpecError
 MARK = "HPCRL-PROBE "  # the probe's answer line (a reward module may print on import)
 
 # Run in the job's interpreter: stdlib, plus pyarrow when it has it. The user's reward module is
-# imported as the trainer imports it (hpcrl/rl/rewards.py: by path), with the job's environment.
+# imported as the trainer imports it (hpcrl/rewards/score.py: by path), with the job's environment.
 _SCRIPT = r'''
-import importlib.util, json, sys
+import importlib, importlib.util, inspect, json, sys
 ask = json.loads(sys.argv[1])
 out = {"rewards": [], "tables": []}
-for path, func in ask["rewards"]:
-    try:
-        # from the source, never a __pycache__: a file edited within the second at the same size
-        # would otherwise run its old bytecode (and submit would leave a cache in the user's folder)
-        spec = importlib.util.spec_from_file_location("hpcrl_submit_check_reward", path)
-        mod = importlib.util.module_from_spec(spec)
-        with open(path, "rb") as src:
-            exec(compile(src.read(), path, "exec"), mod.__dict__)
-        out["rewards"].append(None if callable(getattr(mod, func, None)) else "defines no function %r" % func)
-    except BaseException as e:
-        out["rewards"].append("%s: %s" % (type(e).__name__, " ".join(str(e).split())[:200]))
 try:
     import pyarrow.parquet as pq
 except ImportError:
     pq = None
+
+
+def said(e):
+    return "%s: %s" % (type(e).__name__, " ".join(str(e).split())[:200])
+
+
+def first_row():
+    """(data_source, ground_truth, extra_info) of the data's first row, as the trainer reads it."""
+    if pq is None or not ask.get("row_from"):
+        return None
+    try:
+        rec = pq.ParquetFile(ask["row_from"]).read_row_group(0).slice(0, 1).to_pylist()[0]
+    except Exception:
+        return None  # the table check says what is wrong with the file
+    return rec.get("data_source", ""), (rec.get("reward_model") or {}).get("ground_truth"), rec.get("extra_info") or {}
+
+
+def check_call(fn, row):
+    """None, or why the trainer could not use fn: how it calls a reward (positionally, or a batch
+    reward by its plural keywords: hpcrl/rewards' mix; verl passes every argument by keyword), then once
+    on the row with an empty response."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None  # a builtin or extension: only the call can tell
+    batch = sig is not None and "solution_strs" in sig.parameters
+    ds, gt, ei = row or ("", None, {})
+    one = {"data_source": ds, "solution_str": "", "ground_truth": gt, "extra_info": ei}
+    args, kwargs = ((), {"data_sources": [ds], "solution_strs": [""], "ground_truths": [gt], "extra_infos": [ei]}) \
+        if batch else ((), one) if ask.get("keywords") else (tuple(one.values()), {})
+    if sig is not None:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            return "signature: %s (%s)" % (str(sig)[:200], e)
+    if row is None:
+        return None
+    try:
+        got = fn(*args, **kwargs)
+    except BaseException as e:
+        return "raised: " + said(e)
+    if batch:
+        if not isinstance(got, (list, tuple)) or len(got) != 1:
+            return "returned: %s for a batch of one response" % (repr(got)[:80],)
+        got = got[0]
+    value = got.get("score") if isinstance(got, dict) else got
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return "returned: %s (%s)" % (repr(got)[:80], type(got).__name__)
+    return None
+
+
+row = first_row()
+for entry in ask["rewards"]:
+    path, func = entry[0], entry[1]
+    try:
+        if len(entry) > 2 and entry[2] == "module":
+            mod = importlib.import_module(path)
+        else:
+            # from the source, never a __pycache__: a file edited within the second at the same size
+            # would otherwise run its old bytecode (and submit would leave a cache in the user's folder)
+            spec = importlib.util.spec_from_file_location("hpcrl_submit_check_reward", path)
+            mod = importlib.util.module_from_spec(spec)
+            with open(path, "rb") as src:
+                exec(compile(src.read(), path, "exec"), mod.__dict__)
+        fn = getattr(mod, func, None)
+        out["rewards"].append(check_call(fn, row) if callable(fn) else "defines no function %r" % func)
+    except BaseException as e:
+        out["rewards"].append(said(e))
 for path in ask["tables"]:
     if pq is None:
         out["tables"].append(None)
@@ -74,12 +133,18 @@ def expand(value: str, env: dict) -> Path | None:
     return None if "$" in text else Path(text).expanduser()
 
 
-def probe(python: str, env: dict, rewards: list[tuple[str, str]], tables: list[str]) -> Facts | None:
+def probe(python: str, env: dict, rewards: list[tuple], tables: list[str], row_from: str | None = None,
+          keywords: bool = False) -> Facts | None:
     """Ask `python` (cwd /: the job runs in its run directory, not where submit was typed). None
-    when it cannot answer (the interpreter itself is checked by control.check_trainer_python)."""
+    when it cannot answer (the interpreter itself is checked by control.check_trainer_python).
+    rewards: (file, function) pairs, or (module, function, "module"); each function's signature is
+    checked as the trainer calls it, and with `row_from` (a parquet file) it is called once on that
+    file's first row with an empty response: a reward that cannot take it fails the first step.
+    keywords: the trainer passes the arguments by name (verl), not by position (the built-in one)."""
     if not rewards and not tables:
         return Facts()
-    ask = json.dumps({"rewards": [list(r) for r in rewards], "tables": list(tables)})
+    ask = json.dumps({"rewards": [list(r) for r in rewards], "tables": list(tables), "row_from": row_from,
+                      "keywords": keywords})
     try:
         out = subprocess.run([python, "-B", "-c", _SCRIPT, ask], capture_output=True, text=True, timeout=300,
                              cwd="/", env=env, stdin=subprocess.DEVNULL)
@@ -92,17 +157,34 @@ def probe(python: str, env: dict, rewards: list[tuple[str, str]], tables: list[s
     return None
 
 
-def reward_error(facts: Facts, i: int, key: str, path: str, func: str, python: str) -> None:
-    """A SpecError when the i-th reward file did not import or lacks its function."""
+SIGNATURE = ("{func}(data_source, solution_str, ground_truth, extra_info=None) returning a float or a dict with "
+             "'score', or the batch form {func}(data_sources, solution_strs, ground_truths, extra_infos) returning a list")
+
+
+def reward_error(facts: Facts, i: int, key: str, path: str, func: str, python: str, row_from=None) -> None:
+    """A SpecError when the i-th reward file did not import, lacks its function, does not take the
+    reward's arguments, or failed on the data's first row (row_from)."""
     err = facts.rewards[i] if i < len(facts.rewards) else None
     if err is None:
         return
+    name = f"{path}:{func}"
+    where = f"on the first row of {row_from} with an empty response" if row_from else "on a row"
+    if err.startswith("signature: "):
+        raise SpecError(f"{key}: {name} does not take the reward's arguments: it is {func}{err[len('signature: '):]}; "
+                        f"define {SIGNATURE.format(func=func)}")
+    if err.startswith("raised: "):
+        raise SpecError(f"{key}: {name} raised {err[len('raised: '):]} {where}; the trainer's first step would fail "
+                        f"the same way: it must score any response")
+    if err.startswith("returned: "):
+        raise SpecError(f"{key}: {name} returned {err[len('returned: '):]} {where}; return a float or a dict with "
+                        f"'score' (the batch form: a list, one per response)")
+    what = "reward file" if str(path).endswith(".py") else "reward module"
     if err.startswith("defines no function"):
-        raise SpecError(f"{key}: reward file {path} {err} once imported; define {func}(data_source, solution_str, "
+        raise SpecError(f"{key}: {what} {path} {err} once imported; define {func}(data_source, solution_str, "
                         f"ground_truth, extra_info) at its top level")
     missing = err.startswith(("ModuleNotFoundError", "ImportError"))
     fix = "pip install what it imports into that interpreter" if missing else "fix the file (it runs as the trainer imports it)"
-    raise SpecError(f"{key}: reward file {path} fails to import in the trainer's python {python} ({err}); {fix}")
+    raise SpecError(f"{key}: {what} {path} fails to import in the trainer's python {python} ({err}); {fix}")
 
 
 def table(facts: Facts, i: int, key: str, path: Path, columns: tuple[str, ...]) -> int | None:
