@@ -63,6 +63,12 @@ def read_step(directory, step: int) -> list[dict]:
         data = step_file(directory, step).read_bytes()
     except OSError:
         return []
+    return json_records(data)
+
+
+def json_records(data: bytes) -> list[dict]:
+    """The JSON objects of a JSON-lines file's bytes; a torn or foreign line is skipped (a writer
+    killed mid-line, or metrics.jsonl's appends read while they happen)."""
     out = []
     for line in data.decode("utf-8", "replace").splitlines():
         try:

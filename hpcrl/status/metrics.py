@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HpcrlError
+from ..samplestore import json_records as _parse
 
 TRAIN_PHASES = (None, "train", "sft")  # records of a training step; evaluations have their own phase
 EVAL_PHASES = ("eval_before", "eval_sft", "eval", "eval_after")
@@ -42,16 +43,6 @@ def read_records(path) -> list[dict]:
     return list(records)
 
 
-def _parse(data: bytes) -> list[dict]:
-    out = []
-    for line in data.decode("utf-8", "replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
 
 
 def is_train(rec: dict) -> bool:
