@@ -114,7 +114,7 @@ def _train_steps(rdir):
 
 @needs_wheel
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(4800)
 def test_smollm2_recipe_learns_through_submit_across_segments(fast_local, tmp_path):
     """The recipe as a user runs it, cut into two segments by the walltime signal (the local
     backend's own USR1 to the batch shell, sent here once step 4 is logged instead of at a
@@ -123,12 +123,15 @@ def test_smollm2_recipe_learns_through_submit_across_segments(fast_local, tmp_pa
     hpcrl("init", "--recipe", "smollm2-arithmetic", "--out", spec)
     hpcrl("submit", spec, "--site", fast_local, "--name", "sm", "--hours", "1")
     rdir = run_dir("sm")
-    wait_until(lambda: len(_train_steps(rdir)) >= 4 or run_state("sm")["state"] in RUN_END_STATES, timeout=1500,
+    # Bounds for a loaded machine, not a speed: beside the full suite (issue 39-41's new real-run
+    # tests in the light phase) a step took 400 s with the trainer at ~30% of one core, and steps
+    # 1-4 outlasted the old 1500 s bound twice (CI runs of 2026-12-06)
+    wait_until(lambda: len(_train_steps(rdir)) >= 4 or run_state("sm")["state"] in RUN_END_STATES, timeout=3000,
                what="step 4 of the SmolLM2 run")
     assert len(_train_steps(rdir)) >= 4, run_state("sm")
     rec = json.loads((rdir / ".queue" / "1.json").read_text())
     os.kill(rec["pgid"], signal.SIGUSR1)
-    state = wait_for_run("sm", timeout=1500)
+    state = wait_for_run("sm", timeout=3000)
     assert state["state"] == "COMPLETED", state
     segs = started(state)
     assert len(segs) >= 2 and segs[0]["state"] == "CONTINUE" and segs[1]["start_step"] >= 4
