@@ -254,9 +254,13 @@ def test_ctrl_c_during_submit_is_one_line_and_leaves_no_run(fast_local, home, tm
     file = tmp_path / "slow_reward.py"
     file.write_text(f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(600)\n\n"
                     "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    # SIGINT as a terminal leaves it: a suite started in the background (`./scripts/test &`, a CI
+    # runner) hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt for
+    # it (the submit slept on in the probe until this test's bound, a CI run of 2026-12-06)
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.cli", "submit", "--site", fast_local, "--trainer", "builtin",
                              "--hours", "0.01", "--name", "intr", "--set", f"args.reward={file}:score"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_until(lambda: started.exists(), 120, "the probe importing the reward", proc=proc)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
