@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .resolve import canonical  # PEP 503's name normalisation, one definition
+
 MANIFEST = Path(__file__).with_name("artifacts.yaml")
 TORCH_BACKEND_INDEX = "https://download.pytorch.org/whl/{backend}"
 
@@ -37,10 +39,6 @@ class Artifact:
 
     def __str__(self) -> str:
         return {"index": f"index {self.value}", "url": f"{self.package} @ {self.value}"}.get(self.kind, self.value)
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _index_key(url: str) -> str:
