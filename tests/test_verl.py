@@ -174,9 +174,10 @@ def test_requirements_pin_verl_and_its_torch():
 def test_files_ship_the_reward_and_the_launcher_runs_from_lib(tmp_path):
     _, ctx = ctx_for(base_args(), run_dir=tmp_path)
     files = VerlTrainer().files(ctx)
-    # the code reward imports the sandbox, and the sandbox its judge and cpus, each from beside itself
-    assert set(files) == {"verl/rewards.py", "verl/sandbox.py", "verl/judge.py", "verl/extract.py", "verl/cpus.py",
-                          "verl/cgroups.py", "verl/sandbox_harness.py", "verl/sandbox_server.py"}
+    # the code reward imports the sandbox, and the sandbox its harness's parts and cpus, each from beside itself
+    assert set(files) == {"verl/rewards.py", "verl/sandbox.py", "verl/extract.py", "verl/cpus.py",
+                          "verl/cgroups.py", "verl/sandbox_harness.py", "verl/sandbox_program.py",
+                          "verl/sandbox_tester.py", "verl/sandbox_server.py", "verl/sandbox_seccomp.py"}
     assert "def compute_score(" in files["verl/rewards.py"]
 
 

@@ -8,15 +8,17 @@ started as an argv list (no shell):
 
     [unshare --user --map-root-user --mount ... (userns only)]  python -I -S -c BOOT
 
-BOOT reads the harness's code object (marshal) from stdin and runs it; the harness reads
-{code, tests, limits} after it. As root it joins the sample's cgroups (cgroups.py), unshares
+BOOT reads the harness's code object (marshal) from stdin and runs it; the harness reads the
+payload after it, in two parts. As root it joins the sample's cgroups (cgroups.py), unshares
 mount, network, pid, ipc and uts namespaces itself and forks: the child is pid 1 of them. pid 1
 builds the sample's own root (private_mounts: /usr and the interpreter's prefix read-only, a few
-device nodes, its own /proc, scratch tmpfs /tmp and /dev/shm; pivot_root, the old root detached),
-then forks a worker that switches to a uid of its own (2^30 + the harness's host pid, when the
-trainer runs as root), sets rlimits, moves into /tmp/work (its cwd, HOME and TMPDIR), clears the
-environment, and runs the code and the tests' calls. Their values come back on the harness's own
-pipe.
+device nodes, its own /proc, scratch tmpfs /tmp and /dev/shm; pivot_root, the old root detached).
+From the first part alone (the code, the limits) it forks the program's process
+(sandbox_program.py); only then does it read the second part, the tests, and fork the test
+interpreter (sandbox_tester.py) with them. Each switches to a uid of its own (as root: 2^30 + the
+harness's host pid for the program, 2^23 above that for the interpreter), sets rlimits, closes
+the kernel's doors a sample has no use for (sandbox_seccomp.py), clears the environment; the
+program works in /tmp/work (its cwd, HOME and TMPDIR).
 
 Isolation levels (`isolation()` finds the best this host allows, once per process, and says it
 on stderr):
@@ -29,21 +31,24 @@ on stderr):
   sample's marker. It hides nothing else, so it refuses (reason `refused`) unless
   HPCRL_SANDBOX_PLAIN=1.
 
-Reward hacking: the sandbox never says whether a test passed. The trainer splits each assert test
-into the call (sent to the sandbox) and the expected value and comparison (kept here: _plan), the
-worker sends back the calls' values as JSON data and stdin/stdout tests' printed text, and _judge
-compares them here after decode() made them plain built-in values (judge.py: the split and the
-trusted evaluation). The program may do anything to its interpreter, the harness or its pipe: it
-only ever holds calls and inputs, never an expected value, so what it can send is claims of
-values, and a claim scores only if it is the answer. Tests that cannot be split run inside, each
-in a sandbox of its own, and are counted (Result.inside). docs/adapt.md states the
-guarantee; tests/rl/forgeries.py is the table of forgeries it stops.
+Reward hacking: the program's process never decides a verdict and never holds a test. The test
+interpreter runs each test's text with the real builtins and the modules the test uses; the names
+that cross to the program are only the task's (_test_plans: used by the test, defined by neither
+the builtins, a module, nor the test), each a proxy whose calls go to the program as plain data
+and come back as plain data (a subclass as its built-in content, any other object as a handle,
+arguments changed in place copied back). A program that rebinds `set`, defines `class math` or
+returns a str whose methods lie changes nothing on the interpreter's side, and the trainer does
+no work on a program's values at all: it reads one verdict per test. What cannot cross (a
+function of the test's passed to the program, `is` between two objects) runs alone beside the
+program in a sandbox of its own, counted (Result.inside, reward/judged_inside). docs/adapt.md
+states the guarantee; tests/rl/forgeries.py and tests/rl/test_forgery_classes.py are the forgeries it stops.
 """
 
 from __future__ import annotations
 
 import array
 import ast
+import builtins
 import functools
 import json
 import marshal
@@ -89,7 +94,6 @@ def _sibling(module: str):
     return sys.modules[name]
 
 
-_judge_mod = _sibling("judge")
 _cgroups = _sibling("cgroups")
 _extract_mod = _sibling("extract")
 
@@ -201,7 +205,11 @@ def _argv(level: str, python: str) -> list:
 # The harness comes on stdin ahead of the payload, as marshal data: compiled once here, so a
 # sample does not recompile ~200 lines of source (~2 ms, a third of a bare start), and not in
 # argv, which the interpreter decodes and copies several times (~0.5 ms for 24 KB of hex).
-BOOT = "import marshal,sys;exec(marshal.load(sys.stdin.buffer))"
+# Read unbuffered (os.read of exact lengths): a buffered stdin would read ahead into the tests'
+# part, and the program, forked before that part is read, would hold it in its memory.
+BOOT = ("import marshal,posix as o\n"
+        "def r(n):\n b=[]\n while n>0:\n  c=o.read(0,n)\n  if not c:break\n  b.append(c);n-=len(c)\n return b''.join(b)\n"
+        "exec(marshal.loads(r(int.from_bytes(r(8),'little'))))")
 
 
 SERVER_BOOT = ("import marshal,sys;g={'__name__':'hpcrl-fork-server','__builtins__':__builtins__};"
@@ -226,8 +234,9 @@ def _harness_blob(python: str) -> bytes:
 
 def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | None = None,
               python: str = sys.executable) -> Result:
-    """Run `code` against `tests` (assert strings and/or {"input", "output"} pairs) in a sandbox;
-    the verdicts are reached here, from the values and outputs it sends back (see _judge)."""
+    """Run `code` against `tests` (assert strings and/or {"input", "output"} pairs) in a sandbox:
+    the program in one process, the tests in another (the test interpreter), which sends back
+    only verdicts (see the module's docstring)."""
     t0 = time.monotonic()
     if not tests:
         return Result(0.0, 0, 0, "no_tests")
@@ -244,66 +253,173 @@ def run_tests(code: str, tests: list, limits: Limits = Limits(), level: str | No
     if level == "plain" and not plain_allowed():
         return Result(0.0, 0, len(tests), "refused", time.monotonic() - t0,
                       "isolation level plain hides nothing from the program: set HPCRL_SANDBOX_PLAIN=1 to allow it")
-    names = _judge_mod.program_names(code)
-    plans = [_plan(t, names) if isinstance(t, str) else None for t in tests]
-    exprs = [e for p in plans if p is not None for e in p.clean]
-    clean = _clean_values(exprs, _judge_mod.program_imports(code), limits, level, python) if exprs else {}
-    return _run_groups(code, tests, plans, clean, limits, level, python, t0, FORK_SERVER)
+    return _run(code, tests, limits, level, python, t0, FORK_SERVER)
 
 
 def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: float, server: bool) -> Result:
-    """run_tests through one given path (isolation's probe: no fork server, a fixed level)."""
+    """One sample: the program and the test interpreter in one sandbox; then each test that could
+    not be run from outside the program alone beside it (judged inside, counted)."""
     tests = [_norm_test(t) for t in tests]
-    names = _judge_mod.program_names(code)
-    plans = [_plan(t, names) if isinstance(t, str) else None for t in tests]
-    return _run_groups(code, tests, plans, {}, limits, level, python, t0, server)
+    try:
+        out, marker, timed_out = _exchange_payload(code, "serve", _test_plans(tests), limits, level, python, t0,
+                                                   server)
+    except _CannotStart as e:
+        return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
+    verdicts = _read_verdicts(out, marker, timed_out, len(tests))
+    if isinstance(verdicts, str):  # the sample as a whole timed out or crashed
+        return Result(0.0, 0, len(tests), verdicts, time.monotonic() - t0)
+    inside = [i for i, v in enumerate(verdicts) if v[0] == "inside"]
+    for i in inside:
+        verdicts[i] = _inside_verdict(code, tests[i], limits, level, python, server)
+    per_test, reason, detail = [], "ok", ""
+    for ok, kind, what in verdicts:
+        per_test.append(ok)
+        if not ok and reason == "ok":
+            reason, detail = kind, what
+    passed = sum(per_test)
+    return Result(passed / len(tests), passed, len(tests), reason, time.monotonic() - t0, detail[:200], per_test,
+                  len(inside))
 
 
-def _run_groups(code, tests, plans, clean, limits, level, python, t0, server) -> Result:
-    """One sandbox for the tests whose text holds no decision, and one more for each test that
-    decides inside (a loop of asserts): no test's text reaches another test's program."""
-    shared = [i for i, p in enumerate(plans) if p is None or not p.alone]
-    groups = ([shared] if shared else []) + [[i] for i, p in enumerate(plans) if p is not None and p.alone]
-    entries, reason = [None] * len(tests), None
-    for group in groups:
-        sent = [list(map(list, plans[i].steps)) if plans[i] is not None else {"input": tests[i]["input"]}
-                for i in group]
-        try:
-            out, marker, timed_out = _exchange_payload(code, sent, limits, level, python, t0, server)
-        except _CannotStart as e:
-            return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
-        doc = "timeout" if timed_out else _doc(out, marker)
-        if isinstance(doc, dict) and len(doc["tests"]) != len(group):
-            doc = "crash"
-        for k, i in enumerate(group):
-            entries[i] = {"error": [doc, ""]} if isinstance(doc, str) else doc["tests"][k]
-        if isinstance(doc, str) and shared and group is groups[0] and reason is None:
-            reason = doc
-    seconds = time.monotonic() - t0
-    if reason is not None:  # the shared sandbox timed out or crashed: so did the sample
-        return Result(0.0, 0, len(tests), reason, seconds, inside=sum(1 for p in plans if p is not None and p.inside))
-    return _judge_entries(entries, tests, plans, clean, seconds)
+_KINDS = ("error", "wrong_answer", "output_limit", "not_data", "timeout", "crash")
 
 
-def _exchange_payload(code: str, sent: list, limits: Limits, level: str, python: str, t0: float,
+def _read_verdicts(out: bytes, marker: str, timed_out: bool, n: int):
+    """[(passed, reason, detail), ...] for the n tests, or the reason the sample as a whole failed."""
+    doc = "timeout" if timed_out else _doc(out, marker)
+    if isinstance(doc, dict) and len(doc["tests"]) != n:
+        doc = "crash"
+    return doc if isinstance(doc, str) else [_verdict(v) for v in doc["tests"]]
+
+
+def _verdict(v) -> tuple:
+    """(passed, reason, detail) from the test interpreter's ["pass"] | ["fail", kind, text] | ["inside"]."""
+    if v == ["pass"]:
+        return True, "", ""
+    if v == ["inside"]:
+        return "inside", "", ""
+    if isinstance(v, list) and len(v) == 3 and v[0] == "fail" and all(isinstance(x, str) for x in v):
+        kind = "crash" if v[1] == "gone" else v[1]
+        return False, kind if kind in _KINDS else "error", v[2]
+    return False, "crash", ""
+
+
+def _inside_verdict(code: str, test: str, limits: Limits, level: str, python: str, server: bool) -> tuple:
+    """A test run beside the program in one process (a function of the test's passed to the
+    program, an `is` between two of its values): the verdict is the program's process's, so the
+    test runs alone, in a sandbox of its own that no other test's text reaches."""
+    try:
+        out, marker, timed_out = _exchange_payload(code, "inside", [[["exec", test]]], limits, level, python,
+                                                   time.monotonic(), server)
+    except _CannotStart as e:
+        return False, "crash", str(e)[:200]
+    doc = "timeout" if timed_out else _doc(out, marker)
+    if isinstance(doc, str) or len(doc["tests"]) != 1 or not isinstance(doc["tests"][0], dict):
+        return False, doc if isinstance(doc, str) else "crash", ""
+    error = doc["tests"][0].get("error")
+    if error is None:
+        return True, "", ""
+    kind, what = (list(error) + ["", ""])[:2] if isinstance(error, list) else ("error", "")
+    return False, kind if kind in _KINDS else "error", str(what)
+
+
+# ------------------------------------------------------------------ which names cross
+
+_BUILTINS = frozenset(dir(builtins))
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) - {"__future__"}
+
+
+def _test_plans(tests: list) -> list:
+    """What the test interpreter runs: ("io", stdin, stdout) or ("t", source, crossing names,
+    stdlib modules to import, judged inside). A name crosses to the program when the test uses it
+    and neither the builtins, a module, nor the test itself (or an earlier test) define it."""
+    plans, bound = [], set()
+    for t in tests:
+        if isinstance(t, dict):
+            plans.append(("io", t["input"], t["output"]))
+            continue
+        used, binds, modules, imported, inside = _names(t)
+        crossing = sorted(used - bound - _BUILTINS - modules)
+        # modules: those used without an import (MBPP's math); imported: preloaded (the tester)
+        plans.append(("t", t, crossing, sorted(modules - bound), inside, sorted(imported)))
+        bound |= binds
+    return plans
+
+
+@functools.lru_cache(maxsize=4096)
+def _names(test: str) -> tuple:
+    """(names used, names bound, stdlib modules used as modules, needs the inside path) of one
+    test's text. Parsing runs nothing. A stdlib module's name counts as the module only where the
+    test uses it as one (`math.isclose`): a program's function `array(...)` is the program's."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return frozenset(), frozenset(), frozenset(), frozenset(), False  # the interpreter reports the error
+    used, binds, as_attr, other, imported = set(), set(), set(), set(), set()
+    inside = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else binds).add(node.id)
+        elif isinstance(node, ast.alias):
+            binds.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported |= {(a.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+                         for a in node.names} & _STDLIB
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds.add(node.name)
+        elif isinstance(node, ast.arg):
+            binds.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            binds.add(node.name)
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            sides = [node.left, *node.comparators]
+            for k, op in enumerate(node.ops):
+                if isinstance(op, (ast.Is, ast.IsNot)) and not any(
+                        isinstance(x, ast.Constant) and x.value in (None, True, False, Ellipsis)
+                        for x in (sides[k], sides[k + 1])):
+                    inside = True  # identity of two objects: only the program's process has both
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            as_attr.add(node.value.id)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in _STDLIB:
+            other.add(node.id)
+    attr_values = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    plain_uses = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                  and id(n) not in attr_values}
+    modules = {n for n in other if n in as_attr and n not in plain_uses}
+    return frozenset(used - binds), frozenset(binds), frozenset(modules), frozenset(imported), inside
+
+
+def _exchange_payload(code: str, mode: str, sent: list, limits: Limits, level: str, python: str, t0: float,
                       server: bool) -> tuple[bytes, str, bool]:
-    """(what the sandbox wrote, its marker, timed out): `sent` is what the program's side may see
-    of the tests (steps to run, stdin), never an expected value or output."""
+    """(what the sandbox wrote, its marker, timed out). Two parts, read one at a time by the
+    sample's pid 1: the program's (code, limits; mode `serve` forks the program on it alone) and
+    `sent`: the tests (serve: for the test interpreter) or the steps the program runs itself."""
     marker = secrets.token_hex(8)
     work = None if level != "plain" else tempfile.mkdtemp(prefix="hpcrl-sandbox-")
-    payload = {"code": code, "tests": sent, "nonce": marker, "cap": _RESULT_CAP,
-               "limits": asdict(limits), "ns": level != "plain", "drop": level != "userns" and os.geteuid() == 0, "unshare": level == "namespaces",
-               "work": work, "prefix": sys.base_prefix}
-    # the whole tree: the worker and its children, and the harness (~30 MB, 3 processes) above them
-    groups = payload["cgroups"] = (_cgroups.make(limits.memory_mb + 32, limits.processes + 3)
-                                   if level == "namespaces" else [])
+    head = {"code": code, "mode": mode, "nonce": marker, "cap": _RESULT_CAP,
+            "limits": asdict(limits), "ns": level != "plain", "drop": level != "userns" and os.geteuid() == 0,
+            "unshare": level == "namespaces", "work": work, "prefix": sys.base_prefix}
+    # the whole tree: the program and its children, the test interpreter (~20 MB), and the
+    # harness (~30 MB, 3 processes) above them
+    groups = head["cgroups"] = (_cgroups.make(limits.memory_mb + 96, limits.processes + 4)
+                                if level == "namespaces" else [])
     try:
-        return _exchange_in(payload, marker, work, limits, level, python, t0, server)
+        return _exchange_in(_frame(head) + _frame(sent), marker, work, limits, level, python, t0, server)
     finally:
         _cgroups.remove(groups)
 
 
-def _exchange_in(payload, marker, work, limits, level, python, t0, server) -> tuple[bytes, str, bool]:
+def _frame(obj) -> bytes:
+    return _frame_bytes(marshal.dumps(obj))
+
+
+def _frame_bytes(blob: bytes) -> bytes:
+    return len(blob).to_bytes(8, "little") + blob
+
+
+def _exchange_in(payload: bytes, marker, work, limits, level, python, t0, server) -> tuple[bytes, str, bool]:
     if server and level == "namespaces" and os.path.realpath(python) == os.path.realpath(sys.executable):
         res = _SERVER.run(payload, t0 + limits.timeout_s)
         if res is not None:
@@ -319,7 +435,7 @@ def _exchange_in(payload, marker, work, limits, level, python, t0, server) -> tu
             shutil.rmtree(work, ignore_errors=True)
         raise _CannotStart(f"cannot start the sandbox: {e}") from None
     try:
-        out, timed_out = _exchange(proc, _harness_blob(python) + marshal.dumps(payload), t0 + limits.timeout_s)
+        out, timed_out = _exchange(proc, _frame_bytes(_harness_blob(python)) + payload, t0 + limits.timeout_s)
     finally:
         _kill_all(proc, marker if level == "plain" else None)
         if work:
@@ -459,7 +575,7 @@ class _ForkServer:
             except subprocess.TimeoutExpired:
                 return True
 
-    def run(self, payload: dict, deadline: float):
+    def run(self, payload: bytes, deadline: float):
         """(output, timed_out), or None when the sample should go through the spawn path."""
         inp_r, inp_w = os.pipe()
         out_r, out_w = os.pipe()
@@ -475,7 +591,7 @@ class _ForkServer:
         # _exchange_fds closes inp_w (the child reads the payload to EOF); closing it again here
         # could close another thread's new fd of the same number
         try:
-            out, timed_out = _exchange_fds(inp_w, out_r, marshal.dumps(payload), deadline)
+            out, timed_out = _exchange_fds(inp_w, out_r, payload, deadline)
         finally:
             os.close(out_r)
         # no result line at all: the server may have died with the sample in it. Its children
@@ -561,72 +677,15 @@ def _doc(out: bytes, marker: str):
     return "crash"
 
 
-def _judge(out: bytes, marker: str, tests: list, plans: list, timed_out: bool, seconds: float,
-           clean: dict | None = None) -> Result:
-    """The Result, from the values one sandbox sent (or its silence). Everything in `out` came
-    from the program's side and is only data: values and outputs, compared here."""
-    doc = "timeout" if timed_out else _doc(out, marker)
-    if isinstance(doc, str) or len(doc["tests"]) != len(tests):
-        return Result(0.0, 0, len(tests), doc if isinstance(doc, str) else "crash", seconds,
-                      inside=sum(1 for p in plans if p is not None and p.inside))
-    return _judge_entries(doc["tests"], tests, plans, clean or {}, seconds)
-
-
-def _judge_entries(entries: list, tests: list, plans: list, clean: dict, seconds: float) -> Result:
-    """Nothing in a claim can raise out of here: the trainer only ever sees a score (issue 28)."""
-    inside = sum(1 for p in plans if p is not None and p.inside)
-    per_test, reason, detail = [], "ok", ""
-    for test, plan, entry in zip(tests, plans, entries):
-        try:
-            ok, why, what = _judge_one(test, plan, entry, clean)
-        except Exception as e:  # a claim this judge failed to read scores 0, never stops the caller
-            ok, why, what = False, "not_data", f"unreadable claim: {type(e).__name__}"
-        per_test.append(ok)
-        if not ok and reason == "ok":
-            reason, detail = why, what
-    passed = sum(per_test)
-    return Result(passed / len(tests), passed, len(tests), reason, seconds, detail[:200], per_test, inside)
-
-
-_KINDS = ("error", "wrong_answer", "output_limit", "not_data", "timeout", "crash")
-
-
-def _judge_one(test, plan, entry, clean) -> tuple[bool, str, str]:
-    if not isinstance(entry, dict):
-        return False, "crash", ""
-    error = entry.get("error")
-    if error is not None:  # the program raised (or says so: it can only lose by it)
-        kind, what = (list(error) + ["", ""])[:2] if isinstance(error, list) else ("error", "")
-        return False, kind if kind in _KINDS else "error", str(what)
-    if plan is None:  # stdin/stdout: only the output crossed back
-        got = entry.get("stdout")
-        if not isinstance(got, str):
-            return False, "crash", ""
-        return (True, "", "") if _same(got, test["output"]) else (False, "wrong_answer", "stdout differs")
-    values = entry.get("values")
-    if not isinstance(values, list) or len(values) != sum(1 for kind, _ in plan.steps if kind == "eval"):
-        return False, "crash", ""
-    ok, why = _judge_mod.judge(plan, values, [clean.get(e, (False, "no value")) for e in plan.clean])
-    if ok:
-        return True, "", ""
-    if why.startswith("clean:"):
-        return False, "error", "the test's expected side could not be evaluated: " + why[6:]
-    return False, why, "a value is not data" if why == "not_data" else "a value differs from the expected one"
-
-
-def _same(got: str, want: str) -> bool:
-    norm = lambda s: [line.rstrip() for line in s.strip().splitlines()]
-    return norm(got) == norm(want)
-
-
 def evaluate(code: str, exprs: list, limits: Limits = Limits(), level: str | None = None,
              python: str = sys.executable) -> list:
-    """[(True, value) | (False, "why"), ...]: each expression evaluated in the sandbox after
-    `code`, its value sent back as data and decoded here into plain built-in values."""
+    """[(True, value) | (False, "why"), ...]: each expression evaluated in the program's own
+    process after `code` (a probe of what a program sees there: its uid, files, limits), its
+    value sent back as data and decoded here into plain built-in values. Never a verdict."""
     level = level or isolation(python)
     try:
-        out, marker, timed_out = _exchange_payload(code, [[["eval", e]] for e in exprs], limits, level, python,
-                                                   time.monotonic(), FORK_SERVER)
+        out, marker, timed_out = _exchange_payload(code, "values", [[["eval", e]] for e in exprs], limits, level,
+                                                   python, time.monotonic(), FORK_SERVER)
     except _CannotStart as e:
         return [(False, str(e))] * len(exprs)
     doc = "timeout" if timed_out else _doc(out, marker)
@@ -645,60 +704,48 @@ def evaluate(code: str, exprs: list, limits: Limits = Limits(), level: str | Non
     return results
 
 
-# ------------------------------------------------------------------ the trusted side's judgment
-#
-# The program's process is never asked whether a test passed: it is asked for values. judge.py
-# splits each assert test, here in the trainer, into holes (what only the program can compute:
-# its calls, sent to the sandbox) and everything else (comparisons, math.isclose, str methods,
-# the expected side), evaluated here on the holes' values once decoded into plain built-in values.
+MAX_DEPTH = 100      # nesting of a value (both sides agree on it)
+MAX_ITEMS = 1 << 24  # the longest sequence decode() builds
 
 
-_CLEAN: dict = {}   # (prelude, expected-side source) -> (True, value) | (False, error it raised)
-_CLEAN_MAX = 4096
-_TRANSIENT = ("timeout", "crash", "output_limit")  # a clean sandbox's failure that says nothing of the test
+def decode(value, depth: int = 0):
+    """Plain built-in values from the sandbox's JSON (tagged: {"t": [...]} tuple, {"s": [...]}
+    set, {"d": [[k, v], ...]} dict, {"b": "latin-1"} bytes, {"c": [re, im]} complex, {"x": hex} a
+    long int); ValueError for anything else. What it returns is made here, of built-in types only,
+    so no comparison with it runs code the program chose."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deep")
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is list:
+        return [decode(v, depth + 1) for v in value]
+    if kind is dict and len(value) == 1:
+        (tag, body), = value.items()
+        if tag == "t" and type(body) is list:
+            return tuple(decode(v, depth + 1) for v in body)
+        if tag == "s" and type(body) is list:
+            return frozenset(_hashable(decode(v, depth + 1) for v in body))
+        if tag == "d" and type(body) is list and all(type(kv) is list and len(kv) == 2 for kv in body):
+            keys = _hashable(decode(kv[0], depth + 1) for kv in body)
+            return dict(zip(keys, (decode(kv[1], depth + 1) for kv in body)))
+        if tag == "x" and type(body) is str and len(body) <= MAX_ITEMS:  # an int too long for decimal JSON
+            return int(body, 16)
+        if tag == "b" and type(body) is str:
+            return body.encode("latin-1")
+        if tag == "c" and type(body) is list and len(body) == 2 and all(type(x) in (int, float) for x in body):
+            return complex(*body)
+    raise ValueError("not data")
 
 
-def _plan(test: str, names=frozenset()):
-    return _judge_mod.plan(test, frozenset(names))
-
-
-def _prelude(imports: tuple, exprs) -> str:
-    """The clean sandbox's code: the program's plain imports, and an import of each name the
-    expected sides use that no import binds (`collections.Counter(...)` in a test)."""
-    lines = [f"try:\n    {imp}\nexcept BaseException:\n    pass" for imp in imports]
-    names = set()
-    for e in exprs:
-        try:
-            names |= {n.id for n in ast.walk(ast.parse(e, mode="eval")) if isinstance(n, ast.Name)}
-        except (SyntaxError, ValueError, MemoryError, RecursionError):
-            pass
-    lines += [f"try:\n    import {n}\nexcept BaseException:\n    pass" for n in sorted(names) if n.isidentifier()]
-    return "\n".join(lines)
-
-
-def _clean_values(exprs: list, imports: tuple, limits: Limits, level: str, python: str) -> dict:
-    """The values of expected-side expressions, each evaluated in a sandbox without any program
-    (test data and the program's plain imports only), remembered for later samples. A failure
-    that says nothing of the expression (a timeout, a crash: a loaded machine) is retried once and
-    never remembered; a test whose expected side still has no value fails (judge.judge)."""
-    prelude = _prelude(imports, exprs)
-    todo = sorted({e for e in exprs if (prelude, e) not in _CLEAN})
-    got = {}
-    for _ in range(2):
-        if not todo:
-            break
-        for expr, res in zip(todo, evaluate(prelude, todo, limits, level, python)):
-            got[expr] = res
-        todo = [e for e in todo if not got[e][0] and got[e][1] in _TRANSIENT]
-    if len(_CLEAN) + len(got) > _CLEAN_MAX:
-        _CLEAN.clear()
-    for expr, res in got.items():
-        if res[0] or res[1] not in _TRANSIENT:
-            _CLEAN[(prelude, expr)] = res
-    return {e: _CLEAN.get((prelude, e)) or got.get(e, (False, "no value")) for e in exprs}
-
-
-decode = _judge_mod.decode
+def _hashable(items) -> list:
+    """Set elements or dict keys, refused (ValueError) when many share a hash: int and tuple hashes
+    are not randomised, so a program could send 100k colliding keys and make building the set
+    here quadratic."""
+    items = list(items)
+    if len(items) - len({hash(x) for x in items}) > 64:  # TypeError for an unhashable one
+        raise ValueError("colliding hashes")
+    return items
 
 
 # ------------------------------------------------------------------ batches
@@ -743,5 +790,7 @@ def _source(name: str) -> str:
         return f.read()
 
 
-HARNESS = _source("sandbox_harness.py")
+# the harness's parts in one code object; the spawned one runs main() as its last statement
+HARNESS = "\n".join(_source(name) for name in ("sandbox_harness.py", "sandbox_program.py", "sandbox_tester.py",
+                                                 "sandbox_seccomp.py")) + '\nif __name__ == "__main__":\n    main()\n'
 SERVER = _source("sandbox_server.py")

@@ -5,50 +5,108 @@ sees an expected value: it sends the program's values back as data (data(), docu
 # posix, not os: os's module body costs ~1 ms per sample, and these are its functions anyway
 import posix as os, sys, marshal
 def main(src=None, out=None):
-    if src is None:  # spawned: the payload follows the harness on stdin
-        p = marshal.loads(sys.stdin.buffer.read())
-        out = os.dup(1)
-    else:  # forked by the server: the payload comes on its own pipe
-        data, chunk = [], b"x"
-        while chunk:
-            chunk = os.read(src, 1 << 16)
-            data.append(chunk)
-        os.close(src)
-        p = marshal.loads(b"".join(data))
+    if src is None:  # spawned: the payload follows the harness on stdin (read unbuffered, see BOOT)
+        src, out = os.dup(0), os.dup(1)
+    take = frames(src)
+    head = marshal.loads(take())  # the program's part: its code and the limits, no test
     nul = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(nul, fd)
-    os.close(nul)  # the worker holds 0-2 (/dev/null) and its result pipe, nothing else
-    lim = p["limits"]
-    p["uid"] = UID_BASE + os.getpid()  # plain as root: a uid of its own too (namespaces: set below)
-    if p["unshare"]:
-        enter_namespaces(out, p)
-    if p["ns"]:
-        private_mounts(p, lim)
+    os.close(nul)  # each process below holds 0-2 (/dev/null) and its own pipes, nothing else
+    lim = head["limits"]
+    head["uid"] = UID_BASE + os.getpid()  # plain as root: a uid of its own too (namespaces: set below)
+    if head["unshare"]:
+        enter_namespaces(out, head)
+    head["tester_uid"] = head["uid"] + TESTER_UIDS
+    if head["ns"]:
+        private_mounts(head, lim)
+    libc("prctl")(4, 0)  # PR_SET_DUMPABLE 0: pid 1 holds the tests; the program may not read it
+    if head["mode"] != "serve":  # one process: the program runs the steps itself (values, inside)
+        steps_sent = marshal.loads(take())
+        os.close(src)
+        import _json  # before any uid changes: plain as root, the interpreter's prefix may be /root's
+        r, w = os.pipe()
+        pid = fork_child(lambda: steps(head, lim, steps_sent, w), (r, out))
+        os.close(w)
+        finish(head, out, r, pid, None)
+    # the program first, before the tests are read: its memory never held one
+    to_prog_r, to_prog_w = os.pipe()
+    from_prog_r, from_prog_w = os.pipe()
+    prog = fork_child(lambda: serve_program(head, lim, to_prog_r, from_prog_w), (to_prog_w, from_prog_r, out, src))
+    os.close(to_prog_r)
+    os.close(from_prog_w)
+    tests = marshal.loads(take())
+    os.close(src)
+    import _json  # before any uid changes: plain as root, the interpreter's prefix may be /root's
     r, w = os.pipe()
+    tester = fork_child(lambda: run_tests(head, lim, tests, to_prog_w, from_prog_r, w), (r, out))
+    for fd in (w, to_prog_w, from_prog_r):
+        os.close(fd)
+    finish(head, out, r, tester, prog)
+
+def fork_child(body, close):
     pid = os.fork()
     if pid == 0:
-        os.close(r)
-        os.close(out)
+        for fd in close:
+            os.close(fd)
         try:
-            worker(p, lim, w)
+            body()
         finally:
             os._exit(0)
-    os.close(w)
+    return pid
+
+def finish(head, out, r, pid, prog):
     chunks, size, chunk = [], 0, b"x"
-    while chunk and size < p["cap"]:
+    while chunk and size < head["cap"]:
         chunk = os.read(r, 1 << 16)
         chunks.append(chunk)
         size += len(chunk)
-    data = b"".join(chunks)[:p["cap"]]
+    data = b"".join(chunks)[:head["cap"]]
     _, status = os.waitpid(pid, 0)
     if not data and os.WIFSIGNALED(status):  # the trainer scores it: CPU limit (SIGXCPU, SIGKILL) a timeout
         data = b'{"died": %d}' % os.WTERMSIG(status)
-    # one line (the worker's JSON has no raw newline): the program's claims of values, nothing more
-    data = p["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n"
+    if prog is not None:
+        # the program's own end, if it came before the tests were done: a CPU limit is a timeout
+        done = os.waitpid(prog, os.WNOHANG)
+        if done[0] and os.WIFSIGNALED(done[1]) and os.WTERMSIG(done[1]) in (9, 24):
+            data = data.replace(b'"gone"', b'"timeout"')
+    # one line (the JSON has no raw newline): values or verdicts, nothing more
+    data = head["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n"
     while data:
         data = data[os.write(out, data):]
     os._exit(0)  # everything went out through os.write: skip ~2 ms of interpreter teardown
+
+def frames(src):
+    """The payload's parts, one at a time: 8 bytes of length, then that much marshal."""
+    def take():
+        return readn(src, int.from_bytes(readn(src, 8), "little"))
+    return take
+
+def send(fd, blob):
+    blob = len(blob).to_bytes(8, "little") + blob
+    while blob:
+        blob = blob[os.write(fd, blob):]
+
+def recv(fd, cap):
+    """One message, or None at EOF; ValueError for one longer than cap (not read)."""
+    head = readn(fd, 8)
+    if len(head) < 8:
+        return None
+    n = int.from_bytes(head, "little")
+    if n > cap:
+        raise ValueError("a reply of %d bytes is over the limit of %d" % (n, cap))
+    body = readn(fd, n)
+    return body if len(body) == n else None
+
+def readn(fd, n):
+    got = []
+    while n > 0:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            break
+        got.append(chunk)
+        n -= len(chunk)
+    return b"".join(got)
 
 def isdir(d):
     try:
@@ -137,7 +195,7 @@ def private_mounts(p, lim):
         mount("tmpfs", root + site, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
     for n in ("null", "zero", "urandom"):
         os.close(os.open(root + "/dev/" + n, os.O_CREAT | os.O_WRONLY, 0o666))
-        mount("/dev/" + n, root + "/dev/" + n, None, MS_BIND, None)
+        bind_mount("/dev/" + n, root + "/dev/" + n, MS_NOEXEC)
     for n, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                       ("stderr", "/proc/self/fd/2")):
         os.symlink(target, root + "/dev/" + n)
@@ -148,7 +206,7 @@ def private_mounts(p, lim):
     try:  # this pid namespace's processes only
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     except OSError:
-        mount("/proc", root + "/proc", None, MS_BIND | MS_REC, None)
+        bind_mount("/proc", root + "/proc", MS_NODEV | MS_NOEXEC)
     os.chdir(root)
     try:
         libc("syscall")(PIVOT_ROOT[os.uname().machine], b".", b".", what="pivot_root")
@@ -171,33 +229,57 @@ def makedirs(path):
             os.mkdir(part, 0o755)
 
 def bind_ro(src, dst):
-    mount(src, dst, None, MS_BIND | MS_REC, None)
-    # a bind is read-only only after a remount; in a user namespace the mount's own nosuid, nodev,
-    # noexec are locked and must be kept (statvfs's ST_ flags have the MS_ values for these)
-    keep = os.statvfs(dst).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None)
+    bind_mount(src, dst, MS_RDONLY)
 
-def worker(p, lim, w):
-    import io, resource
+def bind_mount(src, dst, flags):
+    mount(src, dst, None, MS_BIND | MS_REC, None)
+    # a bind takes flags only from a remount. nosuid on every one (issue 40, class 6): a setuid
+    # or file-capability binary in /usr runs with the sample's own ids (no_new_privs too, in
+    # lockdown()). In a user namespace the mount's own nosuid, nodev, noexec are locked and must
+    # be kept (statvfs's ST_ flags have the MS_ values for these). Mounts below dst keep their own.
+    keep = os.statvfs(dst).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | flags | keep, None)
+
+TESTER_UIDS = 1 << 23  # the test interpreter's uid: above every program's (UID_BASE + a pid < 2^22)
+
+class Full(BaseException):
+    pass
+
+def Capped(cap):
+    import io
+    class Capped(io.StringIO):
+        def write(self, s):
+            if self.tell() + len(s) > cap:
+                raise Full("output limit")
+            return super().write(s)
+    return Capped()
+
+def confine(p, lim, uid, home=None):
+    """This process as the sample's: its own session, its own uid (as root), the rlimits, the
+    work dir, an empty environment, and the kernel's doors a sample has no use for closed."""
+    import resource
     os.setsid()
     if p["drop"]:
         if not p["ns"]:  # plain as root: the trainer's temp dir becomes the sample's
             os.chown(p["work"], p["uid"], p["uid"])
         os.setgroups([])
-        os.setgid(p["uid"])
-        os.setuid(p["uid"])
+        os.setgid(uid)
+        os.setuid(uid)
     mb = 1024 * 1024
     for name, value in (("RLIMIT_CPU", lim["cpu_s"]), ("RLIMIT_AS", lim["memory_mb"] * mb),
                         ("RLIMIT_FSIZE", lim["file_mb"] * mb), ("RLIMIT_NOFILE", lim["open_files"]),
                         ("RLIMIT_NPROC", lim["processes"]), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
-    os.chdir(p["work"])
+    if "lockdown" in globals():
+        lockdown()
+    home = home or p["work"]  # the test interpreter's: "/", where it writes nothing
+    os.chdir(home)
     # both the C environment (what a child process inherits) and posix.environ (what the
     # program's `import os` builds os.environ from)
     for k in list(os.environ):
         os.unsetenv(k)
     os.environ.clear()
-    for k, v in (("HOME", p["work"]), ("TMPDIR", p["work"]), ("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8")):
+    for k, v in (("HOME", home), ("TMPDIR", home), ("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8")):
         os.putenv(k, v)
         os.environ[k.encode()] = v.encode()
     # forked from the server, os is already imported: its environ wraps posix.environ, the dict
@@ -206,76 +288,49 @@ def worker(p, lim, w):
     if full_os is not None and getattr(full_os.environ, "_data", os.environ) is not os.environ:
         full_os.environ._data.clear()
         full_os.environ._data.update(os.environ)
-    cap = lim["output_kb"] * 1024
-    class Full(BaseException):
-        pass
-    class Capped(io.StringIO):
-        def write(self, s):
-            if self.tell() + len(s) > cap:
-                raise Full("output limit")
-            return super().write(s)
-    # What goes back is values and outputs, never verdicts: nothing here knows an expected value
-    # (the trainer kept them), so nothing the program does to this process can pass a test.
-    code, tests = p["code"], p["tests"]
+
+def steps(p, lim, tests, w):
+    """The program and the given steps in one process: `values` (sandbox.evaluate: expressions
+    whose values go back as data) and `inside` (a test that cannot be run from outside the
+    program: its own verdict, counted as judged inside)."""
+    confine(p, lim, p["uid"])
+    code = p["code"]
     p.clear()
+    cap = lim["output_kb"] * 1024
     def err(kind, e):
         try:
             return [kind, (type(e).__name__ + ": " + str(e))[:200]]
         except BaseException:
             return [kind, "?"]
-    failed = None
+    failed, ns = None, {"__name__": "solution"}
+    sys.stdout = sys.stderr = Capped(cap)
     try:
-        prog = compile(code, "solution.py", "exec")
+        exec(compile(code, "solution.py", "exec", dont_inherit=True), ns)
+    except Full as e:
+        failed = err("output_limit", e)
     except BaseException as e:
-        failed, prog = err("error", e), None
-    ns = None
-    if prog is not None and any(isinstance(t, list) for t in tests):
-        ns = {"__name__": "solution"}
-        sys.stdout = sys.stderr = Capped()
-        try:
-            exec(prog, ns)
-        except Full as e:
-            failed = err("output_limit", e)
-        except BaseException as e:
-            failed = err("error", e)
+        failed = err("error", e)
     entries = []
     for t in tests:
-        entry = {}
-        if isinstance(t, list):
-            entry["values"] = values = []
-            if failed is not None:
-                entry["error"] = failed
-            else:
-                sys.stdout = sys.stderr = Capped()
-                try:
-                    for kind, src in t:
-                        if kind == "exec":
-                            exec(src, ns)
-                        else:
-                            values.append(data(eval(src, ns)))
-                except Full as e:
-                    entry["error"] = err("output_limit", e)
-                except NotData as e:
-                    entry["error"] = err("not_data", e)
-                except AssertionError as e:  # an assert the trainer could not split, or a setup one
-                    entry["error"] = err("wrong_answer", e)
-                except BaseException as e:
-                    entry["error"] = err("error", e)
-        elif prog is None:
+        entry = {"values": []}
+        if failed is not None:
             entry["error"] = failed
         else:
-            out = Capped()
-            sys.stdin, sys.stdout, sys.stderr = io.StringIO(t["input"]), out, Capped()
+            sys.stdout = sys.stderr = Capped(cap)
             try:
-                exec(prog, {"__name__": "__main__"})
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    entry["error"] = err("error", e)
+                for kind, src in t:
+                    if kind == "exec":
+                        exec(src, ns)
+                    else:
+                        entry["values"].append(data(eval(src, ns)))
             except Full as e:
                 entry["error"] = err("output_limit", e)
+            except NotData as e:
+                entry["error"] = err("not_data", e)
+            except AssertionError as e:
+                entry["error"] = err("wrong_answer", e)
             except BaseException as e:
                 entry["error"] = err("error", e)
-            entry["stdout"] = io.StringIO.getvalue(out)
         entries.append(entry)
     try:
         blob = document(entries).encode()
@@ -345,5 +400,3 @@ def document(entries):
         out.append("{" + ",".join(parts) + "}")
     return '{"tests":[' + ",".join(out) + "]}"
 
-if __name__ == "__main__":
-    main()

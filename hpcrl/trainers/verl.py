@@ -50,7 +50,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LAUNCH_MODULE = "hpcrl.job.verl"  # the job-side launcher, run from the run's lib/
 REWARD_FILE = "verl/rewards.py"  # hpcrl/rewards/score.py, under the name runs made before issue 40 carry
 SANDBOX_FILE = "verl/sandbox.py"  # rewards.py's code reward imports it from beside itself (verl loads by path)
-SANDBOX_SIBLINGS = ("judge", "extract", "cpus", "cgroups", "sandbox_harness", "sandbox_server")  # sandbox.py reads these from beside itself
+SANDBOX_SIBLINGS = ("extract", "cpus", "cgroups", "sandbox_harness", "sandbox_program", "sandbox_tester",
+                    "sandbox_server", "sandbox_seccomp")  # sandbox.py reads these from beside itself
 
 # algorithm -> overrides that define it (GSPO as in verl's examples/gspo_trainer; PPO as TinyZero)
 ALGORITHMS = {

@@ -74,23 +74,27 @@ def test_forged_answer_reachable_by_sampling_is_never_rewarded(tmp_path):
     honest = {"sum": "a + b", "product": "a * b", "difference": "a - b", "double": "a + a", "square": "a * a"}
     assert rewards.compute_score("code", honest[train[0]["extra_info"]["task"]], gt)["score"] == 1.0
     forged = rewards.compute_score("code", FORGED, gt)
-    assert (forged["score"], forged["reason"], forged["judged_inside"]) == (0.0, "not_data", 0.0)
+    # mock.ANY stays an object of the program's: never equal to a plain expected value
+    assert (forged["score"], forged["reason"], forged["judged_inside"]) == (0.0, "wrong_answer", 0.0)
 
     recipe = yaml.safe_load((REPO / "hpcrl" / "recipes" / "code-tiny.yaml").read_text())["args"]
     run = tmp_path / "run"
     write_parquet(train, run / "data" / "train.parquet")  # prepare keeps data it finds
     write_parquet(test, run / "data" / "test.parquet")
     write_config(run, **{**recipe, "total_steps": 30, "eval_every": 0, "save_every": 0, "threads": 1,
-                         "ppo_epochs": 1, "mini_batches": 1, "keep_last": 2})
+                         "ppo_epochs": 1, "mini_batches": 1, "keep_last": 2, "samples_every": 1})
     rc, out, err = run_trainer(run, timeout=900)
     assert rc == 0, err[-2000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r.get("phase") == "train"]
-    share = [r.get("reward/reason/not_data", 0.0) for r in train_rows]
+    from hpcrl import samplestore
+    steps = samplestore.list_steps(run / "samples")
+    assert len(steps) == 30, steps
+    per_step = [samplestore.read_step(run / "samples", k) for k in steps]
+    forged_samples = [[x for x in samples if x["turns"][-1]["content"].strip() == FORGED] for samples in per_step]
+    share = [len(f) / len(samples) for f, samples in zip(forged_samples, per_step)]
     print(f"forged share of samples per step: {share}")
     # reachable: the policy sampled the forgery...
     assert max(share[:10]) > 0, share
-    # ...it was never rewarded (a step's pass rate counts only the samples that are not forged)...
-    assert all(r["reward/pass_rate"] <= 1.0 - s + 1e-6 for r, s in zip(train_rows, share))
+    # ...it was never rewarded...
+    assert all(x["reward"] == 0.0 for f in forged_samples for x in f), forged_samples
     # ...and the policy did not move towards it (rewarded, it spreads to every task within steps)
     assert sum(share[-10:]) <= sum(share[:10]), share

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from hpcrl.rewards import judge
 from hpcrl.rewards import score as rewards
 
 
@@ -26,7 +25,6 @@ def test_a_program_starting_with_a_future_import_scores_one():
     assert (good["score"], good["reason"]) == (1.0, "ok"), good
     wrong = _score(FUTURE + "def char_counts(s: str) -> Counter[str]:\n    return Counter(s[1:])", tests)
     assert wrong["score"] == 0.5 and wrong["reason"] == "wrong_answer", wrong
-    assert judge.program_imports(FUTURE + "import math\n") == ("from collections import Counter", "import math")
 
 
 def test_a_test_checking_an_argument_mutated_in_place_scores_one():
@@ -42,9 +40,11 @@ def test_a_test_checking_an_argument_mutated_in_place_scores_one():
                   "def sort_in_place(xs):\n    xs[:] = [1, 2, 3]"):        # forces one answer
         out = _score(wrong, tests)
         assert out["score"] < 1.0 and out["reason"] == "wrong_answer", (wrong, out)
-    # the expected value the statement did not read stays the trainer's: `want` is never sent
-    plan = judge.plan(tests[2], judge.program_names("def sort_in_place(xs):\n    pass"))
-    assert not any("want" in src for _, src in plan.steps), plan.steps
+    # the expected value stays in the test interpreter: a program that searches every object of
+    # its process for it (to copy it into the argument) never finds it
+    seeker = ("import gc\ndef sort_in_place(xs):\n    for o in gc.get_objects():\n"
+              "        if type(o) is list and o is not xs and o == sorted(xs):\n            xs[:] = o\n            return\n")
+    assert _score(seeker, tests[2:])["score"] == 0.0
 
 
 @pytest.mark.parametrize("test, good, wrong", [

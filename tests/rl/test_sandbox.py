@@ -443,29 +443,29 @@ def test_asserts_are_split_and_judged_here():
     assert (res.passed, res.reason, res.inside) == (0, "wrong_answer", 0), res
 
 
-def test_unsplittable_asserts_run_inside_and_are_counted():
-    code = "def f(a, b):\n    return a + b"
-    inside = ["for i in range(3):\n    assert f(i, 0) == i",   # a loop of asserts: decided inside
-              "f(1, 2)"]                                        # no assert: passes if it does not raise
-    # judged here since issue 28: both sides calls, chained, operators and `or` around the calls
-    here = ["assert f(1, 2) == f(2, 1)", "assert 0 < f(1, 2) < 4", "assert abs(f(1, 2) - 3.0) < 1e-9",
-            "assert f(1, 2) == 3 or f(1, 2) == 4"]
-    res = _score(code, inside + here)
+def test_only_what_cannot_cross_runs_inside_and_is_counted():
+    code = "def f(a, b):\n    return a + b\ndef g(h, x):\n    return h(x)\ndef same(a):\n    return a"
+    # a loop of asserts, a bare call, chained comparisons, `or`: the test interpreter runs them all
+    here = ["for i in range(3):\n    assert f(i, 0) == i", "f(1, 2)", "assert f(1, 2) == f(2, 1)",
+            "assert 0 < f(1, 2) < 4", "assert abs(f(1, 2) - 3.0) < 1e-9", "assert f(1, 2) == 3 or f(1, 2) == 4"]
+    # a function of the test's passed to the program, and `is` between two objects: beside the program
+    inside = ["assert g(lambda y: y + 1, 1) == 2", "x = [1]\nassert same(x) is x"]
+    res = _score(code, here + inside)
     assert (res.score, res.inside) == (1.0, 2), res
-    assert _score("def f(a, b):\n    return 0", inside + here).per_test == [False, True, True, False, False, False]
-    # a lying operator passed the last two before (they ran in the program's process); not now
+    assert _score("def f(a, b):\n    return 0", here).per_test == [False, True, True, False, False, False]
+    # a lying operator passed the last two when they ran in the program's process; not now
     liar = "class A:\n    __sub__ = __eq__ = lambda s, o: 0 if isinstance(o, float) else True\n    __abs__ = lambda s: 0\ndef f(a, b):\n    return A()"
     assert _score(liar, here[-2:]).score == 0.0
 
 
-def test_values_that_are_not_data_score_zero_with_their_reason():
+def test_objects_that_are_not_data_stay_in_the_program_and_equal_no_value():
     for value in ("object()", "iter([3])", "lambda: 3", "type('X', (), {})()"):
         res = _score(f"def f(a, b):\n    return {value}", ["assert f(1, 2) == 3", "assert f(1, 2)"])
-        assert (res.score, res.reason) == (0.0, "not_data"), (value, res)
+        # a handle is never equal to a plain value; its truth is the object's own, as in Python
+        assert res.per_test == [False, True] and res.reason == "wrong_answer", (value, res)
     # subclasses go as the built-in value they hold: an honest one passes, a lying one is judged on its value
     res = _score("import collections\ndef f(a, b):\n    return collections.Counter('aab')", ["assert f(1, 2) == {'a': 2, 'b': 1}"])
     assert res.score == 1.0, res
-    # an int longer than JSON's decimal ints may be (4300 digits) crosses as hex
     res = _score("def f(a, b):\n    return 7 ** 9000", ["assert f(1, 2) == 7 ** 9000", "assert f(1, 2) == 7 ** 9000 + 1"])
     assert res.per_test == [True, False], res
 
@@ -495,13 +495,11 @@ def test_an_interpreter_that_cannot_start_is_a_crash_with_the_reason():
 
 
 def test_hostile_result_documents_score_zero():
-    # what a program may leave on its channel, as the trainer reads it
-    plan = sandbox._plan("assert f(1, 2) == 3", {"f"})
+    # what the trainer reads from a sample's pipe (the test interpreter's verdicts), read defensively
     m = "ab12"
-    for body in (b"", b"[" * 100_000, b'{"tests": []}', b'{"tests": [{"values": []}]}', b'{"tests": [7]}',
-                 b'{"tests": [{"values": [{"__eq__": 1}]}]}', b'{"tests": [{"values": [3, 3]}]}', b"9" * 10_000,
-                 b'{"died": 11}', b'{"tests": [{"values": ["3"]}]}'):
-        res = sandbox._judge(m.encode() + b" " + body + b"\n", m, ["assert f(1, 2) == 3"], [plan], False, 0.0)
-        assert res.score == 0.0, (body[:40], res)
-    ok = sandbox._judge(b'ab12 {"tests": [{"values": [3]}]}\n', m, ["x"], [plan], False, 0.0)
-    assert ok.score == 1.0
+    for body in (b"", b"[" * 100_000, b'{"tests": []}', b'{"tests": [["pass"], ["pass"]]}', b'{"tests": [7]}',
+                 b'{"tests": [["pass", 1]]}', b'{"tests": [["fail"]]}', b"9" * 10_000, b'{"died": 11}',
+                 b'{"tests": [{"values": [3]}]}', b'{"tests": [["fail", "wrong_answer", 3]]}'):
+        got = sandbox._read_verdicts(m.encode() + b" " + body + b"\n", m, False, 1)
+        assert isinstance(got, str) or got[0][0] is False, (body[:40], got)
+    assert sandbox._read_verdicts(b'ab12 {"tests": [["pass"]]}\n', m, False, 1) == [(True, "", "")]

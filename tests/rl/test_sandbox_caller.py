@@ -50,17 +50,18 @@ def test_a_hostile_claim_scores_zero_and_the_batch_keeps_its_sibling(body):
     assert not ok and isinstance(why, str), why
 
 
-def test_the_judge_reads_a_claim_within_a_memory_bound():
-    # the trainer's own allocations while it reads the largest claim a sample may send
-    plan = sandbox._plan(TESTS[0], {"f"})
+def test_the_trainer_reads_only_verdicts_within_a_memory_bound():
+    # the largest value a program can return goes to the test interpreter, never to the trainer:
+    # what the trainer allocates while the sample is scored stays small
+    big = "def f(a, b):\n    return [[] for _ in range(2_000_000)]"
     tracemalloc.start()
     try:
-        res = sandbox._judge(b"ab12 " + eval(NESTED), "ab12", TESTS, [plan], False, 0.0)
+        res = sandbox.run_tests(big, TESTS, FAST)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert res.score == 0.0 and res.reason == "output_limit", res
-    assert peak < 64 << 20, f"reading one claim took {peak >> 20} MiB of the trainer's memory"
+    assert res.score == 0.0 and res.reason in ("output_limit", "timeout"), res
+    assert peak < 16 << 20, f"scoring one sample took {peak >> 20} MiB of the trainer's memory"
 
 
 def test_a_reward_never_raises_into_the_trainer():

@@ -67,8 +67,8 @@ def test_raise_checks_are_judged_here_or_counted():
     res = sandbox.run_tests(liar, tests, FAST)
     assert res.score == 0.0 and res.per_test[0] is False, res
     honest = sandbox.run_tests("def f(x):\n    return 3 * x", tests, FAST)
-    # the first two are decided here; the loop is decided inside, and counted
-    assert (honest.score, honest.inside) == (1.0, 1), honest
+    # all three run in the test interpreter, the loop too: nothing is judged inside
+    assert (honest.score, honest.inside) == (1.0, 0), honest
     # a program that swallows the loop's raise passes the loop only, and it is counted
     swallow = ("import sys\n"
                "def f(x):\n"
@@ -101,27 +101,5 @@ def test_one_tests_text_never_reaches_another_tests_program():
              "        fr = fr.f_back\n"
              "    return -1\n")
     res = sandbox.run_tests(steal, [secret_loop, "assert f(7) == 777"], FAST)
-    assert res.per_test[1] is False, res
-    assert res.inside == 1, res
-
-
-def test_a_failed_clean_evaluation_is_never_moved_inside(monkeypatch):
-    # the expected side's clean evaluation times out once (a loaded machine): the assert must not
-    # then run in the program's process, where a lying __eq__ passes it
-    tests = ["assert f(1) == sorted([3, 2, 1])"]
-    real = sandbox.evaluate
-    calls = []
-
-    def flaky(code, exprs, *a, **k):
-        calls.append(list(exprs))
-        if len(calls) == 1:
-            return [(False, "timeout")] * len(exprs)
-        return real(code, exprs, *a, **k)
-
-    monkeypatch.setattr(sandbox, "evaluate", flaky)
-    monkeypatch.setattr(sandbox, "_CLEAN", {})
-    liar = "class A:\n    def __eq__(self, o): return True\ndef f(x):\n    return A()"
-    res = sandbox.run_tests(liar, tests, FAST)
-    assert (res.score, res.inside) == (0.0, 0), res
-    honest = sandbox.run_tests("def f(x):\n    return [1, 2, 3]", tests, FAST)
-    assert (honest.score, honest.inside) == (1.0, 0), honest
+    # the loop runs in the test interpreter, whose frames the program's process never has
+    assert res.per_test == [False, False] and res.inside == 0, res

@@ -89,7 +89,8 @@ def test_what_a_sample_reaches_as_a_regular_user(tmp_path):
     home = Path(tempfile.mkdtemp(prefix="hpcrl-regular-"))
     try:
         home.chmod(0o755)
-        for name in ("sandbox", "judge", "extract", "cgroups", "cpus", "sandbox_harness", "sandbox_server"):
+        for name in ("sandbox", "extract", "cgroups", "cpus", "sandbox_harness", "sandbox_program", "sandbox_tester",
+                     "sandbox_server", "sandbox_seccomp"):
             shutil.copy(REPO / "hpcrl" / "rewards" / f"{name}.py", home / f"{name}.py")
         (home / "answers.txt").write_text("1234")
         os.chown(home / "answers.txt", 65534, 65534)
