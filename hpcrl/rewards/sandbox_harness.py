@@ -270,8 +270,7 @@ def confine(p, lim, uid, home=None):
                         ("RLIMIT_FSIZE", lim["file_mb"] * mb), ("RLIMIT_NOFILE", lim["open_files"]),
                         ("RLIMIT_NPROC", lim["processes"]), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
-    if "lockdown" in globals():
-        lockdown()
+    lockdown()  # sandbox_seccomp.py, joined to this source: no_new_privs and the seccomp filter
     home = home or p["work"]  # the test interpreter's: "/", where it writes nothing
     os.chdir(home)
     # both the C environment (what a child process inherits) and posix.environ (what the
