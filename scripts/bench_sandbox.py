@@ -19,7 +19,7 @@ start an interpreter per sample: it forks one started once, and the program runs
 the fair comparator for its isolation is a bare fork: this process forks, the child runs the
 code, the parent waits. `fork_stages_ms` splits the fork server's call: bare fork -> the same
 call with no namespaces (server round trip, the sample's process, the worker's fork, rlimits,
-environment, payload) -> full isolation (namespaces, the pid-1 fork, /proc, tmpfs and bind
+environment, payload, the test interpreter's process) -> full isolation (namespaces, the pid-1 fork, /proc, tmpfs and bind
 mounts, uid nobody).
 """
 
@@ -84,11 +84,12 @@ WORK = tempfile.mkdtemp(prefix="hpcrl-bench-")
 def served_no_namespaces() -> None:
     """The fork server's call with the isolation switched off (bench only: the worker runs as
     this user in WORK): what is left is the server round trip and the harness's processes."""
-    steps = [list(map(list, sandbox._plan(t, {"f"}).steps)) for t in TESTS]  # what run_tests sends: the calls, not the expected values
-    payload = {"code": CODE, "tests": steps, "nonce": "n0", "cap": sandbox._RESULT_CAP, "limits": asdict(sandbox.Limits()),
-               "ns": False, "drop": False, "unshare": False, "work": WORK, "prefix": sys.base_prefix}
+    head = {"code": CODE, "mode": "serve", "nonce": "n0", "cap": sandbox._RESULT_CAP,
+            "limits": asdict(sandbox.Limits()), "ns": False, "drop": False, "unshare": False, "work": WORK,
+            "prefix": sys.base_prefix}
+    payload = sandbox._frame(head) + sandbox._frame(sandbox._test_plans(TESTS))  # the tests go to the test interpreter
     out, _ = sandbox._SERVER.run(payload, time.monotonic() + 5)
-    assert out == b'n0 {"tests":[{"values":[3]},{"values":[4]}]}\n', out
+    assert out == b'n0 {"tests":[["pass"],["pass"]]}\n', out
 
 
 def _other(path: str) -> dict:

@@ -262,7 +262,7 @@ def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: fl
     tests = [_norm_test(t) for t in tests]
     try:
         out, marker, timed_out = _exchange_payload(code, "serve", _test_plans(tests), limits, level, python, t0,
-                                                   server)
+                                                   server, load=any(isinstance(t, str) for t in tests))
     except _CannotStart as e:
         return Result(0.0, 0, len(tests), "crash", time.monotonic() - t0, str(e)[:200])
     verdicts = _read_verdicts(out, marker, timed_out, len(tests))
@@ -392,13 +392,15 @@ def _names(test: str) -> tuple:
 
 
 def _exchange_payload(code: str, mode: str, sent: list, limits: Limits, level: str, python: str, t0: float,
-                      server: bool) -> tuple[bytes, str, bool]:
+                      server: bool, load: bool = True) -> tuple[bytes, str, bool]:
     """(what the sandbox wrote, its marker, timed out). Two parts, read one at a time by the
     sample's pid 1: the program's (code, limits; mode `serve` forks the program on it alone) and
     `sent`: the tests (serve: for the test interpreter) or the steps the program runs itself."""
     marker = secrets.token_hex(8)
     work = None if level != "plain" else tempfile.mkdtemp(prefix="hpcrl-sandbox-")
-    head = {"code": code, "mode": mode, "nonce": marker, "cap": _RESULT_CAP,
+    # load: the row has assert tests, so the program runs as a module at once (a row of stdin
+    # tests only never runs it that way: one bit of the tests the program may know)
+    head = {"code": code, "mode": mode, "load": load, "nonce": marker, "cap": _RESULT_CAP,
             "limits": asdict(limits), "ns": level != "plain", "drop": level != "userns" and os.geteuid() == 0,
             "unshare": level == "namespaces", "work": work, "prefix": sys.base_prefix}
     # the whole tree: the program and its children, the test interpreter (~20 MB), and the

@@ -24,12 +24,14 @@ class TooBig(Exception):
 
 def serve_program(p, lim, rfd, wfd):
     confine(p, lim, p["uid"])
-    code = p["code"]
+    code, load = p["code"], p.get("load", True)
     p.clear()
     import builtins, io
     real = builtins.__dict__.copy()  # the builtins by name, as they were before the program ran
     state = {"ns": None, "failed": None, "objs": {}}
     cap = lim["output_kb"] * 1024
+    if load:  # the row has assert tests: run the answer now, while the test interpreter starts
+        load_module(code, state, cap)
     import marshal
     while True:
         try:
@@ -61,9 +63,9 @@ def describe_error(e):
         return "?"
 
 
-def load(code, state, cap):
-    # the answer runs once, as a module, on the first request that needs its names (a row of
-    # stdin/stdout tests never runs it this way: a program reading stdin at import would block)
+def load_module(code, state, cap):
+    # the answer runs once, as a module: at once when the row has assert tests, else on the first
+    # request that needs its names (a row of stdin tests only never runs it this way)
     if state["ns"] is not None or state["failed"] is not None:
         return
     import sys
@@ -81,7 +83,7 @@ def answer(req, code, state, real, cap, io):
     op = req[0]
     if op == "io":
         return run_io(code, req[1], cap, io)
-    load(code, state, cap)
+    load_module(code, state, cap)
     if state["failed"] is not None:
         return state["failed"]
     import sys

@@ -90,10 +90,22 @@ def assert_verdict(link, g, src, crossing, modules):
                     g[name] = __import__(name)
                 except BaseException:
                     pass
-        if crossing:
-            kinds = link.value(link.ask(("d", list(crossing))))
-            for name, kind in zip(crossing, kinds):
+        # a function, class or module of the program's is asked for once per sample; a value (or
+        # a name not yet defined) again before each test that uses it, as the program may change it
+        ask = [name for name in crossing if name not in link.kinds]
+        if ask:
+            kinds = link.value(link.ask(("d", ask)))
+            if type(kinds) is not list or len(kinds) != len(ask):
+                raise Refused("not_data", "the program's reply is not data")
+            for name, kind in zip(ask, kinds):
+                if type(kind) is not tuple or not kind or type(kind[0]) is not str:
+                    raise Refused("not_data", "the program's reply is not data")
+                if kind[0] in ("f", "c", "m"):
+                    link.kinds[name] = kind
                 bind_name(link, g, name, kind)
+        for name in crossing:
+            if name in link.kinds and name not in ask:
+                bind_name(link, g, name, link.kinds[name])
         link.stopped = None
         exec(compile(src, "test", "exec", dont_inherit=True), g)
         if link.stopped is not None:  # raised inside the test and caught there by a bare except
@@ -136,6 +148,7 @@ class Link:
 
     def __init__(self, wfd, rfd):
         self.wfd, self.rfd, self.gone, self.classes, self.stopped = wfd, rfd, False, {}, None
+        self.kinds = {}  # name -> what the program said it is, for its functions, classes, modules
 
     def ask(self, req):
         try:
