@@ -661,7 +661,7 @@ def _too_many_values(body: bytes) -> bool:
     return count(body) > _MAX_VALUES and count(_STRING_RE.sub(b'""', body)) > _MAX_VALUES
 
 
-def _doc(out: bytes, marker: str):
+def _doc(out: bytes, marker: str, key: str = "tests"):
     """The sandbox's JSON document after its marker, or a reason string (timeout, crash, output_limit)."""
     for line in out.split(b"\n"):
         head, _, body = line.partition(b" ")
@@ -675,7 +675,7 @@ def _doc(out: bytes, marker: str):
             return "output_limit" if len(out) >= _RESULT_CAP else "crash"
         if isinstance(doc, dict) and "died" in doc:  # the harness saw the worker die of a signal
             return "timeout" if doc["died"] in (9, 24) else "crash"  # SIGKILL/SIGXCPU: the CPU limit
-        return doc if isinstance(doc, dict) and isinstance(doc.get("tests"), list) else "crash"
+        return doc if isinstance(doc, dict) and isinstance(doc.get(key), list if key == "tests" else dict) else "crash"
     return "crash"
 
 
@@ -704,6 +704,31 @@ def evaluate(code: str, exprs: list, limits: Limits = Limits(), level: str | Non
         except Exception:  # any claim it cannot read (an overflowing complex, ...) is not data
             results.append((False, "not_data"))
     return results
+
+
+def cpu_times(programs: dict, repeats: int, limits: Limits = Limits(), level: str | None = None,
+              python: str = sys.executable):
+    """{name: [CPU seconds, ...]} of each program (name -> (code, statement)) run as a module then its statement, each
+    repeat a fresh process, rounds interleaved, measured by the sandbox's pid 1 (wait4), and
+    {name: why} for those that raised, crashed or ran out of time; or a reason string for the
+    whole call. The sandbox's deadline covers every run: limits.timeout_s per run."""
+    level = level or isolation(python)
+    if level == "plain" and not plain_allowed():
+        return "refused"
+    sent = {"programs": [[n, c, stmt] for n, (c, stmt) in programs.items()], "repeats": int(repeats)}
+    total = Limits(**{**asdict(limits), "timeout_s": limits.timeout_s * max(1, len(programs) * int(repeats))})
+    try:
+        out, marker, timed_out = _exchange_payload("", "time", sent, total, level, python, time.monotonic(),
+                                                   FORK_SERVER)
+    except _CannotStart:
+        return "crash"
+    doc = "timeout" if timed_out else _doc(out, marker, key="cpu")
+    if isinstance(doc, str):
+        return doc
+    cpu, errors = doc.get("cpu"), doc.get("errors")
+    if not isinstance(cpu, dict) or not isinstance(errors, dict) or set(cpu) != set(programs):
+        return "crash"
+    return ({n: [float(t) for t in ts] for n, ts in cpu.items()}, {n: str(e) for n, e in errors.items()})
 
 
 MAX_DEPTH = 100      # nesting of a value (both sides agree on it)
