@@ -5,9 +5,9 @@ surfaces, none of which a program judged on its values needs.
 
 Not imported by the trainer: sandbox.py joins this source to the harness's (sandbox.HARNESS, one
 code object; main() runs after every part is defined), and the harness calls lockdown() after its
-rlimits, in every sandboxed process. Stdlib only and self-contained (it runs in `python -I -S`,
-and scripts/bench_field_sandboxes.py imports it for bwrap's --seccomp); its names start
-with _ but lockdown, as they share the harness's globals. A failure raises: a sample that cannot
+rlimits, in every sandboxed process. Stdlib only (it runs in `python -I -S`); lockdown() calls
+the harness's libc(), the filter's tables need nothing (scripts/bench_field_sandboxes.py imports
+them for bwrap's --seccomp); its names start with _ but lockdown, as they share the harness's globals. A failure raises: a sample that cannot
 be locked down does not run."""
 import posix as _posix, sys as _sys
 
@@ -68,20 +68,8 @@ def _seccomp_program(machine):
 
 
 def _prctl(*args):
-    import _ctypes  # the ctypes package costs ~3 ms of imports; its C core is all that is needed
-
-    class Int(_ctypes._SimpleCData):
-        _type_ = "i"
-
-    class Fn(_ctypes.CFuncPtr):
-        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-        _restype_ = Int
-
-    class Libc:
-        _handle = _ctypes.dlopen(None, _posix.RTLD_NOW)
-
-    if Fn(("prctl", Libc))(*args) == -1:
-        raise OSError(_ctypes.get_errno(), "prctl%r" % (args[:1],))
+    # the harness's libc() (this source is joined to sandbox_harness.py's): prctl through _ctypes
+    libc("prctl")(*args, what="prctl%r" % (args[:1],))
 
 
 def _buffer(blob):
