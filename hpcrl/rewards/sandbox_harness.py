@@ -69,10 +69,12 @@ def finish(head, out, r, pid, prog):
     _, status = os.waitpid(pid, 0)
     if not data and os.WIFSIGNALED(status):  # the trainer scores it: CPU limit (SIGXCPU, SIGKILL) a timeout
         data = b'{"died": %d}' % os.WTERMSIG(status)
-    if prog is not None:
-        # the program's own end, if it came before the tests were done: a CPU limit is a timeout
-        done = os.waitpid(prog, os.WNOHANG)
-        if done[0] and os.WIFSIGNALED(done[1]) and os.WTERMSIG(done[1]) in (9, 24):
+    if prog is not None and b'"gone"' in data:
+        # the program ended before the tests were done: its pipes closed as it exited, so it is
+        # reaped here (a program that closed them and spins on is killed at the deadline); a
+        # CPU limit is a timeout
+        _, status = os.waitpid(prog, 0)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (9, 24):
             data = data.replace(b'"gone"', b'"timeout"')
     # one line (the JSON has no raw newline): values or verdicts, nothing more
     data = head["nonce"].encode() + b" " + data.split(b"\n")[0] + b"\n"

@@ -48,6 +48,8 @@ def run_tests(p, lim, tests, wfd, rfd, out):
     import builtins
     link = Link(wfd, rfd)
     g = {"__name__": "__main__", "__builtins__": builtins}
+    if any(t[0] == "t" for t in tests):  # the program's first word: its functions and classes
+        link.hello()
     verdicts = []
     for t in tests:
         if t[0] == "io":
@@ -149,6 +151,35 @@ class Link:
     def __init__(self, wfd, rfd):
         self.wfd, self.rfd, self.gone, self.classes, self.stopped = wfd, rfd, False, {}, None
         self.kinds = {}  # name -> what the program said it is, for its functions, classes, modules
+        self.broken = None  # (reason, text): the channel carried what is not a reply; no later one is read
+
+    def hello(self):
+        """The program's unasked first message, once it ran as a module: {name: descriptor} of its
+        functions, classes and modules. Anything else in it is ignored (asked for by name later)."""
+        import marshal
+        try:
+            blob = recv(self.rfd, MAX_REPLY)
+        except ValueError as e:  # longer than MAX_REPLY: every later reply would be misread too
+            self.broken = ("output_limit", str(e))
+            return
+        except OSError:
+            blob = None
+        if blob is None:
+            self.gone = True
+            return
+        try:
+            msg = marshal.loads(blob)
+        except BaseException:
+            msg = None
+        if type(msg) is not tuple or len(msg) != 2 or msg[0] != "k" or type(msg[1]) is not dict:
+            self.broken = ("not_data", "the program's first message is not data")
+            return
+        for name, kind in list(msg[1].items())[:2000]:
+            if type(name) is str and type(kind) is tuple and kind and kind[0] in ("f", "c", "m") and \
+                    all(type(x) in (str, list) for x in kind):
+                if kind[0] == "c" and not (len(kind) == 2 and type(kind[1]) is list):
+                    continue
+                self.kinds[name] = kind
 
     def ask(self, req):
         try:
@@ -159,6 +190,8 @@ class Link:
 
     def _ask(self, req):
         import marshal
+        if self.broken is not None:
+            raise Refused(*self.broken)
         if self.gone:
             raise Gone()
         try:
@@ -168,7 +201,8 @@ class Link:
             blob = None
         except EOFError:
             blob = None
-        except ValueError as e:  # longer than MAX_REPLY
+        except ValueError as e:  # longer than MAX_REPLY: its bytes are left unread
+            self.broken = ("output_limit", str(e))
             raise Refused("output_limit", str(e))
         if blob is None:
             self.gone = True
