@@ -35,7 +35,8 @@ def test_code_reward_through_verls_own_reward_loader(verl_python, tmp_path):
     for rel, text in VerlTrainer().files(ctx).items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    row = code_row("add", ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"], "test", 0)
+    row = code_row("add", ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert set([add(1, 1)]) == {2}"],
+                   "test", 0)
     overrides = [o for o in VerlTrainer().overrides(ctx) if o.startswith("reward.custom_reward_function.")]
     # verl's get_custom_reward_fn (trainer/ppo/reward.py): load_extern_object on the composed config's
     # path and name, wrapped with reward_kwargs; then called as its reward managers call it
@@ -54,12 +55,16 @@ def test_code_reward_through_verls_own_reward_loader(verl_python, tmp_path):
                       ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
         print(json.dumps([call("```python\\ndef add(a, b):\\n    return a + b\\n```"),
                           call("```python\\ndef add(a, b):\\n    return 5\\n```"),
-                          call("no code")]))
+                          call("no code"),
+                          call("```python\\nclass set:\\n    __eq__ = lambda s, o: True\\n    def __init__(s, *a): pass\\n"
+                               "def add(a, b):\\n    return 5\\n```")]))
     """)
-    good, half, none = json.loads(out)
+    good, third, none, rebound = json.loads(out)
     assert good["score"] == 1.0 and good["all_passed"] == 1.0, good
-    assert half["score"] == 0.5, half
+    assert third["score"] == pytest.approx(1 / 3, abs=1e-6), third
     assert none["score"] == 0.0, none
+    # issue 40, class 1 through verl's loader: the program's own `set` is not the test's
+    assert rebound["score"] == pytest.approx(1 / 3, abs=1e-6) and rebound["judged_inside"] == 0.0, rebound
 
 
 def test_segments_log_to_one_wandb_run(verl_python, tmp_path):
