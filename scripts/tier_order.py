@@ -19,6 +19,7 @@ from pathlib import Path
 TESTS = {  # file -> its tests' seconds, slow first (q2, scripts/suite_times.py)
     "test_demo.py": [100], "test_smollm2.py": [480, 3, 3, 3, 3], "test_verl_tier.py": [830, 10],
     "test_maxtext_tier.py": [770, 5, 5], "test_vllm_tier.py": [140, 140], "test_verl_tier_slurm.py": [700],
+    "test_llm_judge_tier.py": [150], "test_smollm2_code.py": [300, 1],  # session 19, measured loaded
 }
 
 
