@@ -4,6 +4,7 @@ and the rollout engine itself."""
 
 from __future__ import annotations
 
+from .. import envs
 from . import memory, metrics, policy
 from .rollout import HFGenerateRollout, HFRollout
 
@@ -48,7 +49,7 @@ def auto_rows(cfg, model, device, dist, par, has_ref: bool, train_ids, engine_by
     chunk = policy.logit_chunk_tokens(model, cfg.logit_chunk_tokens)
 
     def pass_of(rows):
-        return memory.pass_bytes(model.config, rows, prompt, cfg.max_response_length, cfg.dtype,
+        return memory.pass_bytes(model.config, rows, prompt, envs.sequence_tokens(cfg), cfg.dtype,
                                  cfg.gradient_checkpointing, chunk)
     params = sum(p.numel() for p in model.parameters())  # the full count, sharded or not
     state = memory.state_bytes(params, par.state_ranks, has_ref)

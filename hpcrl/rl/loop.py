@@ -18,7 +18,8 @@ from .. import protocol
 from ..checkpoints.trainer import checkpointer as checkpoint
 from ..schemas.builtin import ALGORITHMS
 from ..rewards import mix as reward_mix
-from . import algos, build, data, fsdp, metrics, parallel, policy, prepare, samples, walltime, warmup
+from .. import envs
+from . import algos, build, data, episodes, fsdp, metrics, parallel, policy, prepare, samples, walltime, warmup
 from .dist import Dist, generator, stream_seed
 from .evaluate import Evaluation
 from .parallel import SaveFailed  # noqa: F401  (train.py reports it)
@@ -70,20 +71,21 @@ class RLTrainer(Update, Evaluation):
         lr = self._set_lr(self._rl_lr())
         idx = self.sampler.next(cfg.batch_size)
         mine = self.dist.share(len(idx))  # whole groups: this rank's prompts and all their samples
-        batch = self._rollout([self.train_ids[idx[p]] for p in mine], mine)
-        if self.walltime.after_phase(cut=batch is None) is not None:
+        got = self._episodes([self.train_ex[idx[p]] for p in mine], [self.train_ids[idx[p]] for p in mine], mine)
+        if self.walltime.after_phase(cut=got is None) is not None:
             self._say(f"step {self.step + 1} abandoned in its rollout: stop requested")
             return None
+        batch, eps = got
         examples = [self.train_ex[idx[p]] for p in mine for _ in range(G)]
-        t_reward = time.monotonic()
-        values, reward_metrics = self.reward(examples, batch.texts, dist=self.dist)
-        reward_metrics["timing_s/reward"] = round(time.monotonic() - t_reward, 4)
+        values = [ep.reward for ep in eps]  # an episode's reward: the sum of its terms
+        reward_metrics = {**self.env.metrics, **episodes.figures(eps, self.env, self.dist.gather),
+                          "timing_s/reward": round(self.env_s, 4)}
         adv = algos.group_advantages(torch.tensor(values, dtype=torch.float32), G,
                                      scale_by_std=ALGORITHMS[cfg.algorithm].scale_by_std)
         if self.samples.due(self.step + 1):  # what was generated and how it scored: RUN/samples
             self.samples.keep(self.step + 1, samples.records(
-                examples, [idx[p] for p in mine], batch.texts, values, getattr(self.reward, "details", None),
-                adv.tolist(), mine.start, G), self.log)
+                examples, [idx[p] for p in mine], batch.texts, values, episodes.details(eps, self.env),
+                adv.tolist(), mine.start, G, [ep.messages for ep in eps] if self.env.multi_turn else None), self.log)
         self._release_rollout()
         stats = self._update(batch, adv.to(self.device), row0=mine.start * G)
         self._sync_rollout()
@@ -118,7 +120,8 @@ class RLTrainer(Update, Evaluation):
                                            fused=self.device.type in ("cpu", "cuda"))
         self.rollout = build.make_rollout(cfg, self.model, self.tok, self.model_dir, self.device, self.dist,
                                           self.engine_utilization)
-        self.ckpt = checkpoint.Checkpointer(ctx.ckpt_dir, cfg.keep_last, cfg.async_save, self.tok)
+        self.ckpt = checkpoint.Checkpointer(ctx.ckpt_dir, cfg.keep_last, cfg.async_save, self.tok,
+                                            checkpoint.base_model_files(self.model_dir))
         self.log = (metrics.MetricsLog(ctx.metrics_path, ctx.run_dir, ctx.segment, cfg.wandb_project)
                     if self.dist.is_main else _NoLog())
         self.sampler = EpochSampler(len(self.train_ids), cfg.seed)
@@ -137,7 +140,8 @@ class RLTrainer(Update, Evaluation):
             self.dist.barrier()
         # first: a reward that does not import fails the segment before the model is built or
         # copied into the run (SmolLM2: 517 MB) and before the data is generated
-        self.reward = reward_mix.Reward(self.cfg, self.device)
+        self.reward = reward_mix.Reward(self.cfg, self.device, run_dir=self.ctx.run_dir)
+        self.env = envs.load(self.cfg, self._score)
         self.model_dir = prepare.prepare_model(self.cfg, self.ctx.run_dir)
         paths = prepare.prepare_data(self.cfg, self.ctx.run_dir)
         if self.dist.is_main:
@@ -150,6 +154,7 @@ class RLTrainer(Update, Evaluation):
         enc = dict(chat_template=cfg.chat_template, max_prompt_length=cfg.max_prompt_length)
         self.train_ids = policy.encode_prompts(self.tok, self.train_ex, **enc)
         self.val_ids = policy.encode_prompts(self.tok, self.val_ex[:cfg.eval_size], **enc)
+        self.env.check(self.train_ex)  # a row the environment cannot run fails the start, in one line
 
     # ------------------------------------------------------------------ segment
 
@@ -323,18 +328,44 @@ class RLTrainer(Update, Evaluation):
         warm, rl_step = self.cfg.lr_warmup_steps, self.step - self.cfg.sft_steps
         return self.cfg.lr * (min(1.0, (rl_step + 1) / warm) if warm else 1.0)
 
-    def _rollout(self, prompts: list, mine: range):
-        """G samples of each of this rank's prompts (positions `mine` of the global batch), each
-        prompt's from its own (seed, step, position) stream (vLLM: its per-request seed); None
-        when a stop request cut the decoding short."""
+    def _streams(self, mine, turn: int = 1, keys=None) -> dict:
+        """The engine's random streams of a turn: turn 1's one per prompt (the rollout's as it
+        always was), a later turn's one per live episode, keyed by its prompt and sample."""
         cfg = self.cfg
-        streams = {}
+        keys = [(p,) for p in mine] if keys is None else [(mine[p], "turn", turn, j) for p, j in keys]
         if cfg.rollout == "hf":
-            streams["generators"] = [generator(self.device, cfg.seed, self.step, p) for p in mine]
-        elif cfg.rollout == "vllm":
-            streams["seeds"] = [stream_seed(cfg.seed, self.step, p) for p in mine]
-        with self._for_generation():  # no collective per token: ranks decode at their own pace
-            return self.rollout.generate(prompts, n=cfg.group_size, abort=self._stop_requested, **streams)
+            return {"generators": [generator(self.device, cfg.seed, self.step, *k) for k in keys]}
+        if cfg.rollout == "vllm":
+            return {"seeds": [stream_seed(cfg.seed, self.step, *k) for k in keys]}
+        return {}
+
+    def _episodes(self, rows: list, prompts: list, mine):
+        """This rank's episodes of the step (hpcrl/rl/episodes.py): (batch, episodes), or None when
+        a stop request cut the decoding short. The environment's time is timing_s/reward."""
+        cfg = self.cfg
+        # no collective per token: ranks decode at their own pace (one agreement per later turn)
+        runner = episodes.Runner(self.rollout, self.env, self.tok, episodes.Budget(cfg, self.env.multi_turn),
+                                 episodes.uses_template(self.tok, cfg.chat_template), self._for_generation,
+                                 self._turns_agree if self.dist.enabled else None,
+                                 lambda: torch.autocast(self.device.type, enabled=False))
+        encode = lambda msgs: policy.encode_prompts(self.tok, [{"messages": msgs}], cfg.chat_template,
+                                                    cfg.max_prompt_length)[0]
+        got = runner.run(rows, prompts, cfg.group_size, lambda turn, keys: self._streams(mine, turn, keys),
+                         abort=self._stop_requested, encode=encode)
+        self.env_s = runner.env_s
+        return got
+
+    def _turns_agree(self, live: int, cut: bool) -> tuple[bool, bool]:
+        """(any rank has live episodes, any rank's decoding was cut by a stop): one collective a turn."""
+        more, stopped = self.dist.max([float(live), float(cut)])
+        return more > 0, stopped > 0
+
+    def _score(self, rows: list, texts: list, whole_batch: bool = False):
+        """args.reward over (rows, texts): (values, metrics, each sample's details). whole_batch:
+        every rank scores its share of the global batch once (a reward model's `batch`
+        normalisation is then over the global batch, a collective)."""
+        values, metrics_ = self.reward(rows, texts, dist=self.dist if whole_batch else None)
+        return values, metrics_, self.reward.details
 
     def _batch_figures(self, values: list, batch, lr: float) -> dict:
         """The step's figures over the global batch, in its order."""

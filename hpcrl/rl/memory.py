@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+from .. import envs
+
 # bytes per response position per vocabulary entry at the loss: the compute-dtype logits, their
 # float32 copy, the temperature-scaled copy, the log-softmax kept for the backward, and the
 # backward's two vocabulary-wide gradients. Pessimistic in float32 on a CPU (~9 measured); the
@@ -203,14 +205,14 @@ def engine_plan(config, numels: list, cfg: dict, world: int, sharded: bool, refe
     state leaves) or the weight sync, whichever is larger. The engine is counted as resident the
     whole time (no credit for sleep mode): an estimate that fits without it fits with it."""
     n_params, tp, dtype = sum(numels), cfg.get("vllm_tensor_parallel_size") or 1, cfg["dtype"]
-    tokens = cfg["max_prompt_length"] + cfg["max_response_length"]
+    tokens = cfg["max_prompt_length"] + envs.sequence_tokens(cfg)  # a multi-turn episode's context too
     rows = engine_rows(cfg, world)
     want = engine_bytes(config, n_params, dtype, rows, tokens, tp)
     least = engine_bytes(config, n_params, dtype, 1, tokens, tp, seqs=rows)  # the same engine, one sequence's KV
     state = state_bytes(n_params, world if sharded else 1, reference)
     if cfg["micro_batch_size"]:
         train = state + pass_bytes(config, cfg["micro_batch_size"], cfg["max_prompt_length"],
-                                   cfg["max_response_length"], dtype, cfg["gradient_checkpointing"], chunk_tokens)
+                                   envs.sequence_tokens(cfg), dtype, cfg["gradient_checkpointing"], chunk_tokens)
     else:
         train = state + (int(device * SAFETY) - state) // 2
     peak = max(train, state + sync_bytes(max(numels), dtype))

@@ -26,9 +26,9 @@ def prepare_model(cfg: dict, run_dir: Path) -> Path:
     if cfg["model"] != "tiny":
         path = _path(cfg["model"])
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"args.model: {path} is not a Hugging Face model directory (no config.json); download it "
-                f"first on a login node, e.g. `huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {path}`")
+            from ..errors import not_a_model_dir
+
+            raise FileNotFoundError(not_a_model_dir("args.model", path))
         return path
     path = run_dir / "model"
     if not (path / "config.json").is_file():

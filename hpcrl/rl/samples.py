@@ -8,15 +8,18 @@ from .. import samplestore
 
 
 def records(examples: list, rows: list, texts: list, values: list, details: list | None, advantages: list,
-            first_group: int, group_size: int) -> list[dict]:
+            first_group: int, group_size: int, conversations: list | None = None) -> list[dict]:
     """This rank's samples of one step: examples/texts/values/advantages per sample, `rows` the
     training split's index of each of its prompts, `first_group` its first prompt's position in
-    the global batch, `details` the reward's per-sample terms and reason (Reward.details)."""
+    the global batch, `details` the reward's per-sample terms and reason (Reward.details);
+    `conversations`: each episode's turns after its prompt (a multi-turn environment's), else the
+    one response."""
     out = []
     for j, (ex, text) in enumerate(zip(examples, texts)):
         d = details[j] if details and j < len(details) else {}
+        after = conversations[j] if conversations is not None else [{"role": "assistant", "content": text}]
         out.append({"group": first_group + j // group_size, "row": int(rows[j // group_size]),
-                    "turns": [*ex["messages"], {"role": "assistant", "content": text}],
+                    "turns": [*ex["messages"], *after],
                     "reward": float(values[j]), "terms": d.get("terms", {}), "reason": d.get("reason"),
                     "advantage": float(advantages[j]), "extras": d.get("extras", {}),
                     "data_source": ex.get("data_source"), "ground_truth": ex.get("ground_truth")})

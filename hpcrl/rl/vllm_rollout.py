@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from .. import envs
 from . import memory
 from .policy import left_pad
 from .rollout import RolloutBatch, decode_responses, response_mask_from, stop_token_ids
@@ -35,7 +36,7 @@ def engine_args(cfg: dict, model_dir, *, world: int, rank: int, local_rank: int,
     if world % tp:
         raise ValueError(f"args.vllm_tensor_parallel_size = {tp} does not divide the {world} ranks: "
                          "use a divisor of the number of ranks (1: one engine per GPU)")
-    kwargs = dict(model=str(model_dir), dtype=cfg["dtype"], max_model_len=cfg["max_prompt_length"] + cfg["max_response_length"],
+    kwargs = dict(model=str(model_dir), dtype=cfg["dtype"], max_model_len=cfg["max_prompt_length"] + envs.sequence_tokens(cfg),
                   gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tp,
                   # the ranks of one tensor-parallel group must sample alike (requests carry their own seeds too)
                   seed=cfg["seed"] + rank // tp,

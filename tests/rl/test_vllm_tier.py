@@ -63,6 +63,16 @@ def test_the_engine_equals_the_hf_loop_token_for_token(vllm_python, tmp_path):
     assert "greedy equal after weight sync 2" in proc.stdout
 
 
+def test_multi_turn_episodes_on_the_engine_one_call_per_turn(vllm_python, tmp_path):
+    """vllm_episodes_check.py: an environment's episodes on vLLM, one engine call per turn; its
+    sampled log-probs equal the training forward's over the assembled rows (issue 42)."""
+    env = {**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([vllm_python, str(ROOT / "tests" / "rl" / "vllm_episodes_check.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout + proc.stderr)[-4000:]
+    assert "sampled log-probs equal the training forward's" in proc.stdout
+
+
 def _train(rdir):
     return {r["step"]: {k: r.get(k) for k in EXACT} for r in read_metrics(rdir) if r.get("phase") in ("sft", "train")}
 
