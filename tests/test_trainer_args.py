@@ -29,7 +29,7 @@ BASE_ARGS = {
 
 def bad_values(f: Field) -> list:
     """Values the field's own declaration says it must refuse."""
-    out = [{"int": "many", "float": "many", "bool": "maybe", "str": 12, "list": "x=1", "choice": "bogus"}[f.kind]]
+    out = [{"int": "many", "float": "many", "bool": "maybe", "str": 12, "list": "x=1", "map": "x=1", "choice": "bogus"}[f.kind]]
     if f.kind == "int":
         out.append(2.5)
     if f.kind == "list":

@@ -14,6 +14,8 @@ the next beside itself, so no module here imports hpcrl outside this folder.
       sandbox_server.py   the fork server's loop
       cgroups.py, cpus.py a sample's memory/process limits, the pool's width
     mix.py              args.reward ("code + 0.01*length", model:PATH) -> the trainer's batch reward
+    llm_judge.py        an LLM judge (rubric, fenced response, score parsed) over an OpenAI-compatible
+                        endpoint or `vllm serve`: retries, cache, spending cap (urllib only)
 
 `hpcrl.rl.rewards` and `hpcrl.rl.sandbox` (and the file hpcrl/rl/rewards.py, by path) still name
 score.py and sandbox.py: runs and specs made before the move (issue 40) name them.

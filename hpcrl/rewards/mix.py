@@ -3,12 +3,14 @@
     reward: code                              # tests passed, in the sandbox
     reward: "code + 0.1*length"               # plus a length penalty (-chars / length_norm_chars)
     reward: "model:/path/to/rm"               # a sequence-classification reward model
+    reward: "code + 0.2*judge"                # an LLM judge (args.judge: its endpoint; llm_judge.py)
     reward: "0.5*auto + 0.5*model:/p/rm"      # weighted sum of any of them
 
 A term is `[WEIGHT*]NAME`, terms are joined by ' + ' (spaces around the plus). NAME is one of
-auto | countdown | gsm8k | gsm8k_flexible | code | length | model:PATH | module:function |
+auto | countdown | gsm8k | gsm8k_flexible | code | length | model:PATH | judge[:RUBRIC_FILE] | module:function |
 /file.py[:function] (the reward interface: hpcrl/rewards/score.py, docs/adapt.md).
-Every term's per-sample values are logged as reward/<name>; dict results' extra keys too.
+Every term's per-sample values are logged as reward/<name>; dict results' extra keys too. A term
+given by path is named short (term_names): /x/judge.py:score is judge.score, model:/x/rm model.rm.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def parse_terms(spec: str) -> list[tuple[float, str]]:
 class Reward:
     """Callable on (examples, texts) -> (scores, metrics); examples as data.load_examples gives them."""
 
-    def __init__(self, cfg: dict, device=None):
-        self.cfg = cfg
-        self.terms = [(w, name, self._make(name, device)) for w, name in parse_terms(cfg["reward"])]
+    def __init__(self, cfg: dict, device=None, run_dir=None):
+        self.cfg, self.run_dir = cfg, run_dir  # run_dir: where a judge keeps its cache (RUN/judge-cache)
+        parsed = parse_terms(cfg["reward"])
+        # (weight, name as written: errors say it, short name: metrics and samples say it, callable)
+        self.terms = [(w, name, short, self._make(name, device))
+                      for (w, name), short in zip(parsed, term_names([n for _, n in parsed]))]
 
     def _make(self, name: str, device):
         if name == "length":
@@ -50,7 +55,17 @@ class Reward:
                                self.cfg["reward_model_normalize"])
         if name in ("code", "auto"):
             return self._code_or_auto(name)
+        if name == "judge" or name.startswith("judge:"):
+            return self._judge(name)
         return _call_any(rewards.load_reward(name))
+
+    def _judge(self, name: str):
+        from . import llm_judge
+
+        judge = llm_judge.Judge(dict(self.cfg.get("judge") or {}), run_dir=self.run_dir,
+                                rubric_file=name.partition(":")[2] or None)
+        # the built-in route has each row's messages: the judge sees the prompt as the policy did
+        return lambda examples, texts: judge.score([llm_judge.prompt_text(e["messages"]) for e in examples], texts)
 
     def _code_or_auto(self, name: str):
         from .sandbox import Limits
@@ -75,17 +90,45 @@ class Reward:
         total = [0.0] * len(texts)
         metrics: dict = {}
         details = [{"terms": {}, "reason": None, "extras": {}} for _ in texts]
-        for weight, name, fn in self.terms:
+        for weight, name, short, fn in self.terms:
             values = fn(examples, texts, dist=dist) if isinstance(fn, ModelReward) else fn(examples, texts)
             if len(values) != len(texts):
                 raise ValueError(f"reward {name!r} returned {len(values)} values for {len(texts)} responses")
             scores = [_score_of(v, name) for v in values]
             total = [t + weight * s for t, s in zip(total, scores)]
-            metrics.update(_extras(values, scores, name if len(self.terms) > 1 else None))
-            _note(details, values, scores, name, len(self.terms) > 1)
+            metrics.update(_extras(values, scores, short if len(self.terms) > 1 else None))
+            _note(details, values, scores, short, len(self.terms) > 1)
         # each sample's own terms, reason and other keys: the trainer keeps them (RUN/samples)
         self.details = details
         return total, metrics
+
+
+def term_names(names: list[str]) -> list[str]:
+    """The name each term is logged under (reward/<name>, a sample's terms): a file reward by its
+    file's stem and function (/tmp/x/judge.py:score -> judge.score; compute_score when none is
+    named), a model reward by its directory's name (model:/m/my-rm -> model.my-rm), others as
+    written. Paths made names that were long, and changed with the directory a run was submitted
+    from. Two that would share a name get -2, -3 in the spec's order."""
+    out: list[str] = []
+    for name in names:
+        short = base = _short_name(name)
+        n = 1
+        while short in out:
+            n += 1
+            short = f"{base}-{n}"
+        out.append(short)
+    return out
+
+
+def _short_name(name: str) -> str:
+    if name.startswith("model:"):
+        return "model." + (Path(name[len("model:"):].rstrip("/")).name or "model")
+    if name.startswith("judge:"):  # a judge by its rubric file: judge:/r/style.txt -> judge.style
+        return "judge." + (Path(name[len("judge:"):]).stem or "rubric")
+    target, _, func = (name, "", "") if name.endswith(".py") else name.partition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).stem}.{func or 'compute_score'}"
+    return name
 
 
 def _call_any(fn):

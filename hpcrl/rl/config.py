@@ -21,7 +21,7 @@ class ConfigError(ValueError):
     """A bad trainer argument; the message names the key."""
 
 
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list, "choice": object}
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list, "map": object, "choice": object}
 
 
 class _Keys:

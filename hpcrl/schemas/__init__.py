@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..errors import SpecError, did_you_mean, one_of
 
-__all__ = ["ArgError", "Field", "Schema", "Int", "Float", "Bool", "Str", "StrList", "Choice", "fail", "show",
+__all__ = ["ArgError", "Field", "Schema", "Int", "Float", "Bool", "Str", "StrList", "Map", "Choice", "fail", "show",
            "divisors"]
 
 _FLOAT_TEXT = re.compile(r"^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$")
@@ -58,7 +58,7 @@ def divisors(n: int, limit: int = 8) -> str:
     return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
 
 
-KINDS = ("int", "float", "bool", "str", "list", "choice")
+KINDS = ("int", "float", "bool", "str", "list", "map", "choice")
 
 
 def _same(a, b) -> bool:
@@ -72,7 +72,8 @@ class Field:
 
     kind: "int" (whole numbers; 2.0 is taken as 2), "float" (any finite number; a numeric string
     such as '1e-6', which YAML 1.1 reads as text, is taken as its number), "bool", "str",
-    "list" (a list of strings), "choice" (one of `choices`, compared with their types).
+    "list" (a list of strings), "map" (a mapping with string keys, checked further by a schema of its
+    own: args.judge), "choice" (one of `choices`, compared with their types).
     ge/gt/le/lt bound numbers; nullable admits None (null); required means None/'' is refused.
     """
 
@@ -110,6 +111,8 @@ class Field:
             return f"use true or false{null}"
         if self.kind == "list":
             return "use a list of strings"
+        if self.kind == "map":
+            return f"use a mapping (key: value){null}"
         return f"use a {'non-empty ' if self.nonempty else ''}string{null}"
 
     def check(self, value, where: str):
@@ -136,6 +139,10 @@ class Field:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 fail(where, value, "is not a list of strings", self.allowed())
             return list(value)
+        if self.kind == "map":
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                fail(where, value, "is not a mapping", self.allowed())
+            return dict(value)
         return self._number(value, where)
 
     def _number(self, value, where: str):
@@ -180,6 +187,10 @@ def StrList(name, default, doc="", **kw) -> Field:
     return Field(name, "list", default, doc, **kw)
 
 
+def Map(name, default, doc="", **kw) -> Field:
+    return Field(name, "map", default, doc, **kw)
+
+
 def Choice(name, default, choices, doc="", **kw) -> Field:
     return Field(name, "choice", default, doc, choices=tuple(choices), **kw)
 
@@ -213,8 +224,9 @@ class Schema:
 
     @property
     def defaults(self) -> dict:
-        """A fresh dict of every key's default (lists copied)."""
-        return {f.name: list(f.default) if isinstance(f.default, list) else f.default for f in self._fields.values()}
+        """A fresh dict of every key's default (lists and mappings copied)."""
+        return {f.name: type(f.default)(f.default) if isinstance(f.default, (list, dict)) else f.default
+                for f in self._fields.values()}
 
     @property
     def required(self) -> tuple:

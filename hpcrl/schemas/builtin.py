@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import Bool, Choice, Float, Int, Schema, Str, divisors, fail
+from . import ArgError, Bool, Choice, Float, Int, Map, Schema, Str, divisors, fail
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,20 @@ def _check_countdown(a: dict, where) -> None:
              f"use some of the characters {COUNTDOWN_OPS}, each once")
 
 
+ENVS = ("one-turn", "code-repair")  # hpcrl/envs's built-in environments
+
+
+def _check_env(a: dict, where) -> None:
+    env = a["env"]
+    target, _, name = env.rpartition(":")
+    if env not in ENVS and not (target.strip() and name.strip()):
+        fail(where("env"), env, "is not an environment", f"use {' | '.join(ENVS)}, module:Class or /path/file.py:Class")
+    if env != "one-turn" and a["rollout"] == "vllm" and a["vllm_tensor_parallel_size"] > 1:
+        # a tensor-parallel group's ranks must send vLLM the same calls; their episodes end at different turns
+        fail(where("env"), env, "takes several turns, which vLLM with tensor parallelism does not run here",
+             "use vllm_tensor_parallel_size: 1 (an engine per GPU) or rollout: hf")
+
+
 def _check_reward(a: dict, where) -> None:
     for part in re.split(r"\s\+\s", a["reward"]):
         m = re.match(r"^\s*(?:[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?\s*\*\s*)?(\S.*?)\s*$", part)
@@ -97,13 +111,97 @@ def _check_reward(a: dict, where) -> None:
         name = m.group(1)
         if name.startswith("model:") and not name[len("model:"):].strip():
             fail(where("reward"), a["reward"], "names model: without a path", "write model:/path/to/reward_model")
+        if reward_kind(name) == "judge":
+            check_judge(a["judge"], name)
         if reward_kind(name) == "name" and name not in REWARD_NAMES:
             import difflib
 
             close = difflib.get_close_matches(name, REWARD_NAMES, n=1, cutoff=0.6)
             fail(where("reward"), a["reward"], f"names an unknown reward {name!r}"
                  + (f" (did you mean {close[0]!r}?)" if close else ""),
-                 f"use {' | '.join(REWARD_NAMES)}, model:PATH, module:function or /path/file.py[:function]")
+                 f"use {' | '.join(REWARD_NAMES)}, model:PATH, judge[:RUBRIC_FILE], module:function or "
+                 f"/path/file.py[:function]")
+    if a.get("judge") is not None and not any(reward_kind(n) == "judge" for n in _term_names(a["reward"])):
+        raise ArgError(f"{where('judge')}: is set but no term of args.reward is `judge`; add judge to args.reward, "
+                       f"or drop args.judge")
+
+
+def _term_names(spec: str) -> list:
+    return [re.sub(r"^\s*[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?\s*\*\s*", "", p).strip()
+            for p in re.split(r"\s\+\s", spec)]
+
+
+# args.judge: the LLM judge of a `judge` term (hpcrl/rewards/llm_judge.py; its DEFAULTS are these defaults,
+# tests/rewards/test_llm_judge.py holds the two together). Checked here without calling the endpoint.
+JUDGE_SCHEMA = Schema("judge", [
+    Str("url", None, "the OpenAI-compatible base URL (https://api.openai.com/v1, http://127.0.0.1:8000/v1 of "
+        "`vllm serve`) or its full /chat/completions or /completions URL", required=True),
+    Str("model", None, "the model name the endpoint serves", required=True),
+    Choice("api", "chat", ("chat", "completions"), "/v1/chat/completions (messages) or /v1/completions (text)"),
+    Str("api_key_env", None, "the NAME of the environment variable holding the API key (never the key itself); "
+        "null: no key sent", nullable=True),
+    Str("rubric", None, "what to judge, in words (null: a general correct/complete/clear rubric)", nullable=True),
+    Str("rubric_file", None, "a file holding the rubric (instead of rubric)", nullable=True),
+    Float("score_min", 0.0, "the bottom of the judge's scale (the reward maps it to 0)"),
+    Float("score_max", 10.0, "the top of the judge's scale (the reward maps it to 1)"),
+    Int("max_tokens", 256, "the judge's answer, at most this many tokens", ge=1),
+    Float("temperature", 0.0, "the judge's sampling temperature (0: greedy, repeatable)", ge=0),
+    Choice("constrain", "none", ("none", "vllm"), "vllm: the answer constrained to `Score: N` by vLLM's structured "
+           "outputs (a small judge that wanders off the format)"),
+    Float("timeout_s", 60.0, "one request's time limit", gt=0),
+    Int("retries", 3, "tries again after a refused connection, a timeout, a 5xx or a 429 (exponential backoff)", ge=0),
+    Float("backoff_s", 1.0, "the first retry's wait, doubled each time (with jitter)", ge=0),
+    Int("concurrency", 4, "requests in flight at once, per rank", ge=1),
+    Str("cache", None, "a directory of judged answers and spent tokens (null: RUN/judge-cache; 'off': none)",
+        nullable=True),
+    Int("budget_tokens", None, "stop calling the judge once the run spent this many tokens (null: no cap)",
+        ge=1, nullable=True),
+    Float("budget_usd", None, "stop calling once the run spent this many dollars at usd_per_mtok_* (null: no cap)",
+          gt=0, nullable=True),
+    Float("usd_per_mtok_in", 0.0, "the endpoint's price per million prompt tokens", ge=0),
+    Float("usd_per_mtok_out", 0.0, "the endpoint's price per million answer tokens", ge=0),
+    Choice("on_error", "fail", ("fail", "skip", "zero"), "a response not judged (judge down, refused, over "
+           "budget): fail the step, skip (the mean of its prompt's judged responses: no advantage of its own), or 0"),
+    Choice("on_unparsable", "skip", ("fail", "skip", "zero"), "a judge's answer without a score in range: as on_error"),
+    Choice("injection", "strip", ("strip", "zero", "off"), "a response's sentences aimed at the grader (\"ignore the "
+           "rubric\", \"output Score: 10\"): taken out before the judge sees it, the response scored 0, or left in"),
+], prefix="args.judge.")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_judge(config, term: str = "judge") -> dict:
+    """args.judge checked as a `judge` term needs it (one-line ArgError); the merged mapping."""
+    import difflib
+
+    if config is None:
+        raise ArgError(f"args.judge: null, but args.reward names {term!r}; set args.judge: {{url: "
+                       f"http://127.0.0.1:8000/v1, model: NAME}} (docs/adapt.md)")
+    if not isinstance(config, dict):
+        fail("args.judge", config, "is not a mapping", "use {url: ..., model: ..., ...}")
+    for key in config:
+        if key not in JUDGE_SCHEMA.fields:
+            close = difflib.get_close_matches(str(key), JUDGE_SCHEMA.fields, n=1, cutoff=0.6)
+            raise ArgError(f"args.judge.{key}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
+                           + f"; allowed: {', '.join(JUDGE_SCHEMA.fields)}")
+    for key in ("url", "model"):
+        if config.get(key) in (None, ""):
+            raise ArgError(f"args.judge.{key}: needed by the {term!r} reward; e.g. args.judge: {{url: "
+                           f"http://127.0.0.1:8000/v1, model: NAME}} (docs/adapt.md)")
+    c = JUDGE_SCHEMA.validate(config)
+    if not re.match(r"^https?://[^/\s]+", c["url"]):
+        fail("args.judge.url", c["url"], "is not an http(s) URL", "write http://HOST:PORT/v1 or https://...")
+    env = c["api_key_env"]
+    if env is not None and not _ENV_NAME.match(env):
+        raise ArgError("args.judge.api_key_env: it must be the NAME of an environment variable (e.g. OPENAI_API_KEY), "
+                       "not a key or other text; export the key in the job's environment and name it here")
+    if c["rubric"] is not None and c["rubric_file"] is not None:
+        fail("args.judge.rubric_file", c["rubric_file"], "is set beside args.judge.rubric", "give one of them")
+    if c["score_max"] <= c["score_min"]:
+        fail("args.judge.score_max", c["score_max"], f"is not above score_min = {c['score_min']}",
+             "use a scale such as 0 to 10")
+    if c["budget_usd"] is not None and not (c["usd_per_mtok_in"] or c["usd_per_mtok_out"]):
+        fail("args.judge.budget_usd", c["budget_usd"], "needs the prices", "set usd_per_mtok_in and usd_per_mtok_out")
+    return c
 
 
 # The reward names the trainer knows (hpcrl/rewards/score.py BUILTIN, plus rewards/mix.py's `length`;
@@ -112,10 +210,12 @@ REWARD_NAMES = ("auto", "countdown", "gsm8k", "gsm8k_flexible", "code", "length"
 
 
 def reward_kind(name: str) -> str:
-    """What a reward term names: 'model' (model:PATH), 'file' (/path/file.py[:function]),
+    """What a reward term names: 'model' (model:PATH), 'judge' (judge[:RUBRIC_FILE]), 'file' (/path/file.py[:function]),
     'module' (package.module:function) or 'name' (one of REWARD_NAMES)."""
     if name.startswith("model:"):
         return "model"
+    if name == "judge" or name.startswith("judge:"):
+        return "judge"
     if name.endswith(".py") or ".py:" in name:
         return "file"
     return "module" if ":" in name else "name"
@@ -165,8 +265,15 @@ SCHEMA = Schema("builtin", [
     Choice("chat_template", "auto", ("auto", True, False),
            "auto: use the tokenizer's chat template when it has one; true / false to force"),
     Str("reward", "auto", "terms [WEIGHT*]NAME joined by ' + ', NAME: auto (by data_source) | countdown | gsm8k | "
-        "gsm8k_flexible | code | length | model:PATH | module:function | /file.py:function "
+        "gsm8k_flexible | code | length | model:PATH | judge[:RUBRIC_FILE] | module:function | /file.py:function "
         "(e.g. 'code + 0.1*length'; docs/adapt.md)", nonempty=True),
+    # --- the environment (hpcrl/envs): what answers the model's turns; one turn by default
+    Str("env", "one-turn", "one-turn (a prompt, a response, the reward) | code-repair (failing visible tests go "
+        "back as the next turn; the reward runs held-out tests) | module:Class | /file.py:Class (docs/adapt.md)",
+        nonempty=True),
+    Int("env_max_turns", 3, "model turns per episode at most (a multi-turn env; one-turn: 1)", ge=1),
+    Int("env_max_tokens", 1024, "tokens per episode after its prompt, the model's and the environment's (a "
+        "multi-turn env; each turn also at most max_response_length)", ge=2),
     # --- the code reward (sandbox: hpcrl/rewards/sandbox.py)
     Float("code_timeout_s", 5.0, "wall-clock limit of one sample's tests", gt=0, le=600),
     Int("code_memory_mb", 512, "address-space limit of one sample", ge=64),
@@ -180,6 +287,8 @@ SCHEMA = Schema("builtin", [
     Int("reward_model_batch_size", 16, "responses per reward-model forward (model:PATH)", ge=1),
     Choice("reward_model_normalize", "none", ("none", "batch", "sigmoid"),
            "model:PATH scores as they are, z-scored over the batch, or squashed to (0, 1)"),
+    Map("judge", None, "the LLM judge of a `judge` reward term: {url, model, api_key_env, rubric, ...} "
+        "(JUDGE_SCHEMA below; docs/adapt.md)", nullable=True),
     # --- algorithm
     Choice("algorithm", "grpo", ALGORITHMS, "policy-gradient algorithm (hpcrl/schemas/builtin.py ALGORITHMS)"),
     Choice("loss_agg", None, LOSS_AGGS, "null: the algorithm's own (grpo token-mean, gspo seq-mean-token-mean, "
@@ -252,4 +361,4 @@ SCHEMA = Schema("builtin", [
           "2nd, 4th, ... kept), the run never stops for it", gt=0),
     Str("wandb_project", None, "log to wandb too when set and wandb is importable (offline without internet)",
         nullable=True),
-], checks=[_check_data_files, _check_batches, _check_countdown, _check_tiny, _check_reward])
+], checks=[_check_data_files, _check_batches, _check_countdown, _check_tiny, _check_reward, _check_env])

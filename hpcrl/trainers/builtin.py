@@ -45,6 +45,8 @@ class BuiltinTrainer(Trainer):
         for name in _reward_terms(args):
             if reward_kind(name) == "file":
                 check_reward_file(*reward_file(name))
+            elif reward_kind(name) == "judge":
+                check_judge_term(name, args)
 
     def check_python(self, args: dict, python: str, env: dict) -> None:
         import subprocess
@@ -73,6 +75,8 @@ class BuiltinTrainer(Trainer):
         for name in _reward_terms(a):
             if reward_kind(name) == "model":
                 check_reward_model(name, env)
+            elif reward_kind(name) == "judge":
+                check_judge_env(a, env)
         # every function reward, by path or by module, as the trainer will call it (#41 item 6: a
         # wrong signature failed the first step, two segments after an accepted submit)
         files = [reward_file(n) for n in _reward_terms(a) if reward_kind(n) == "file"]
@@ -187,6 +191,40 @@ def check_reward_model(name: str, env: dict) -> None:
         raise SpecError(f"args.reward: model:{path} is a {archs[0]}, not a sequence-classification model (its score "
                         f"head would be new and untrained); give a reward model (architectures "
                         f"...ForSequenceClassification), or a function reward")
+
+
+def check_judge_term(name: str, args: dict) -> None:
+    """A `judge[:RUBRIC_FILE]` term, checked without calling the judge: args.judge (the schema's
+    checks: url, model, the key's variable name, the scale, the budget's prices) and every rubric
+    file it names exists, is absolute and holds text."""
+    from pathlib import Path
+
+    from ..schemas.builtin import check_judge
+
+    c = check_judge((args or {}).get("judge"), name)
+    for key, path in ((f"args.reward ({name})", name.partition(":")[2]), ("args.judge.rubric_file", c["rubric_file"])):
+        if not path:
+            continue
+        file = Path(path).expanduser()
+        if not file.is_absolute():
+            raise SpecError(f"{key}: rubric file '{path}' is a relative path; the job runs in the run directory, so "
+                            f"give its absolute path ({file.resolve()}?)")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecError(f"{key}: rubric file {file} cannot be read ({type(e).__name__}); "
+                            f"give a text file") from None
+        if not text.strip():
+            raise SpecError(f"{key}: rubric file {file} is empty; write what the judge should grade")
+
+
+def check_judge_env(args: dict, env: dict) -> None:
+    """The variable args.judge.api_key_env names is set where the job starts (its value is read
+    there, never written to the run; it is not shown here either)."""
+    name = ((args or {}).get("judge") or {}).get("api_key_env")
+    if name and not env.get(name):
+        raise SpecError(f"args.judge.api_key_env: ${name} is not set in this shell; export it before hpcrl submit "
+                        f"(the job reads the key from its environment; keep it out of the spec, which the run keeps)")
 
 
 def note_passes(a: dict, rows: int, path) -> None:
