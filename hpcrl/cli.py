@@ -437,6 +437,35 @@ def cmd_export(ns) -> int:
     return 0
 
 
+def cmd_eval(ns) -> int:
+    from . import evaluation
+
+    run = evaluation.run_of(ns.run, ns.model)
+    argv, env, out, step = evaluation.plan(run, ns.checkpoint, ns.model, ns.data, ns.rows, ns.samples, ns.k,
+                                           ns.seed, ns.out)
+    if not evaluation.runs_here(run, ns.local):
+        print(f"# run '{run.id}' is on site {run.site().get('name', '?')}: run this on a compute node (in an "
+              "allocation), or add --local to run it here")
+        print(evaluation.printed(argv, env))
+        return 0
+    what = f"model {ns.model}" if ns.model else f"checkpoint step {step}"
+    print(f"evaluating run {run.id} {what} on {ns.data or 'its val split'} (args.reward {evaluation.reward_of(run)})",
+          flush=True)
+    rc = evaluation.execute(argv, env)  # torch loads in that process, not this one
+    if rc != 0:
+        return rc
+    got = evaluation.result(out)
+    own = evaluation.runs_own(run, step) if ns.data is None and ns.rows is None else None
+    if own is not None:
+        differ = evaluation.differences(own, got["greedy"])
+        print(f"the run's own {own['phase']} at step {step}: reward_mean={own['eval/reward_mean']:.4f} "
+              f"accuracy={own['eval/accuracy']:.4f} n={own['eval/n']} "
+              f"({'differs: ' + '; '.join(differ) if differ else 'the same'})")
+    name = out.name if out.parent == run.dir / evaluation.EVALS_DIR else out
+    print(f"wrote {out / evaluation.RESULT_FILE}; its answers: hpcrl samples {run.id} --eval {name}")
+    return 0
+
+
 def cmd_metrics(ns) -> int:
     from . import runs
     from .status import metrics
@@ -461,8 +490,9 @@ def cmd_samples(ns) -> int:
     if ns.format == "parquet" and not ns.out:
         raise HpcrlError("--format parquet is binary: give --out FILE.parquet")
     order = "worst" if ns.worst else "best" if ns.best else None
+    directory = samples.eval_samples_dir(run, ns.eval) if ns.eval else None
     chosen, head = samples.choose(run, step=ns.step, order=order, reason=ns.reason, limit=ns.limit,
-                                  everything=ns.format is not None)
+                                  everything=ns.format is not None, directory=directory)
     if ns.format:
         samples.export(chosen, ns.format, ns.out or sys.stdout)
         if ns.out:
@@ -646,6 +676,25 @@ def build_parser(listing: bool = False, only: str | None = None) -> argparse.Arg
     sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="built-in runs: dtype of the exported weights (default: the model's own, as its config.json says)")
     sp.set_defaults(func=cmd_export)
+    sp = sub.add_parser("eval", help="a checkpoint (or an exported model) on a held-out parquet with the run's "
+                        "reward: its figures, pass@k, every answer kept (built-in trainer)")
+    sp.add_argument("run", nargs="?", help=RUN_HELP + " (default with --model: the run it was exported from)")
+    sp.add_argument("--checkpoint", metavar="STEP|latest", help="checkpoint step (default: the newest complete one)")
+    sp.add_argument("--model", metavar="DIR", help="a directory `hpcrl export` wrote, instead of a checkpoint")
+    sp.add_argument("--data", metavar="FILE", help="rows in verl's schema (docs/adapt.md section 1; parquet or "
+                                                   "jsonl; default: the run's val split)")
+    sp.add_argument("--rows", type=int, metavar="N", help="the first N rows (default: args.eval_size, as the run's "
+                                                         "evaluations; 0: every row)")
+    sp.add_argument("--samples", type=int, default=0, metavar="N",
+                    help="also N sampled answers a prompt (args.temperature) for pass@k (default 0: greedy only)")
+    sp.add_argument("--k", type=int, action="append", metavar="K",
+                    help="pass@K from the sampled answers (repeatable; default 1 and N; K <= N)")
+    sp.add_argument("--seed", type=int, help="seed of the sampled answers (default: args.seed)")
+    sp.add_argument("--out", metavar="DIR", help="where eval.json and samples/ go (default: RUN/evals/DATA-stepN)")
+    sp.add_argument("--local", action="store_true",
+                    help="run it on this machine although the run's site is a cluster (default there: print "
+                         "the command for a compute node)")
+    sp.set_defaults(func=cmd_eval)
     sp = sub.add_parser("metrics", help="every segment's metrics as one table (csv, parquet, jsonl)")
     sp.add_argument("run", help=RUN_HELP)
     sp.add_argument("--format", default="csv", choices=["csv", "parquet", "jsonl"], help="default csv")
@@ -663,6 +712,8 @@ def build_parser(listing: bool = False, only: str | None = None) -> argparse.Arg
     sp.add_argument("--limit", type=int, metavar="K", help="at most K samples (default 8 shown, all exported; 0: all)")
     sp.add_argument("--format", choices=["jsonl", "parquet"], help="export instead of showing (parquet needs --out)")
     sp.add_argument("--out", help="file to export to (default: stdout)")
+    sp.add_argument("--eval", metavar="NAME|DIR", help="the answers of an `hpcrl eval` (RUN/evals/NAME, or its "
+                                                       "--out DIR) instead of the training steps'")
     sp.set_defaults(func=cmd_samples)
     for name, help_ in FORWARDED.items():
         # parsed by hpcrl.rl.commands in its own process (main() forwards every argument, --help

@@ -48,8 +48,9 @@ def _spec(run: Run) -> dict:
     return json.loads(run.layout.spec.read_text(encoding="utf-8"))
 
 
-def pick_checkpoint(run: Run, step: int | None) -> tuple[int, Path]:
-    """The checkpoint of `step` (default: the newest that is complete) in hpcrl's store."""
+def pick_checkpoint(run: Run, step: int | None, flag: str = "--step") -> tuple[int, Path]:
+    """The checkpoint of `step` (default: the newest that is complete) in hpcrl's store; `flag`
+    names the option that asked for it in the error (`hpcrl eval`'s is --checkpoint)."""
     store = CheckpointStore(run.layout.checkpoints)
     ckpts = dict(store.list())
     if not ckpts:
@@ -60,7 +61,7 @@ def pick_checkpoint(run: Run, step: int | None) -> tuple[int, Path]:
             raise HpcrlError(f"run '{run.id}': no complete checkpoint in {run.layout.checkpoints}")
         return found
     if step not in ckpts:
-        raise HpcrlError(f"--step {step}: run '{run.id}' has checkpoints at steps "
+        raise HpcrlError(f"{flag} {step}: run '{run.id}' has checkpoints at steps "
                          f"{', '.join(map(str, sorted(ckpts)))} (older ones are pruned: keep_last)")
     return step, ckpts[step]
 

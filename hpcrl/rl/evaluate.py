@@ -26,6 +26,15 @@ def _accuracy_note(cfg) -> str:
     return " (the share of answers scoring >= 1.0: a custom reward's scale may never reach it)"
 
 
+def figures(scores: list, extra: dict) -> dict:
+    """An evaluation's figures from its scores and the reward's metrics summed over its samples:
+    the run's (metrics.jsonl) and `hpcrl eval`'s (hpcrl/rl/heldout.py) alike, so the two compare."""
+    n = max(1, len(scores))
+    return {"eval/reward_mean": round(sum(scores) / n, 6),
+            "eval/accuracy": round(sum(s >= 1.0 for s in scores) / n, 6), "eval/n": len(scores),
+            **{f"eval/{k}": round(v / n, 6) for k, v in extra.items()}}
+
+
 # The evaluations a later segment repeats when a stop cuts them short (before training: no
 # checkpoint yet; after it: the final checkpoint is there, the evaluation not): their results are
 # kept batch by batch, so an evaluation longer than a segment goes on in the next one, and once
@@ -124,10 +133,7 @@ class Evaluation:
         for _, ex in parts:
             for k, v in ex.items():
                 extra[k] = extra.get(k, 0.0) + v
-        n = max(1, len(scores))
-        result = {"eval/reward_mean": round(sum(scores) / n, 6),
-                  "eval/accuracy": round(sum(s >= 1.0 for s in scores) / n, 6), "eval/n": len(scores),
-                  "peak_rss_mb": metrics.peak_rss_mb(), **{f"eval/{k}": round(v / n, 6) for k, v in extra.items()}}
+        result = {**figures(scores, extra), "peak_rss_mb": metrics.peak_rss_mb()}
         if kept is not None and self.dist.is_main:
             kept.finish({"step": self.step, "phase": phase, **result})
             bump_progress(self.ctx.run_dir, len(scores) - sum(len(b["rows"]) for b in kept.mine))

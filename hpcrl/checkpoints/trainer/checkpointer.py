@@ -1,6 +1,7 @@
 """Checkpoints of the built-in trainer, sealed by hpcrl.checkpoints.store (manifest, rename, pointer).
 
-Files: model.safetensors (+ config and tokenizer, so a checkpoint loads with from_pretrained),
+Files: model.safetensors (+ config and tokenizer, so a checkpoint loads with from_pretrained, and
+the base model's generation_config.json when it has one, as it was),
 ref.safetensors when the reference differs from the base model, optimizer.safetensors (the
 state tensors; param groups in its metadata), rng.pt and trainer_state.json (step, data
 position). A save snapshots every tensor first (cheap copies in memory), so the optional
@@ -83,6 +84,17 @@ def snapshot(model, optimizer, trainer_state: dict, ref_model=None, copy: bool =
     }
 
 
+# Files of the base model a checkpoint carries as they are: the trainer does not write them, but
+# they are part of the model (generation_config.json: the sampling defaults, eos ids and all, that
+# from_pretrained and vLLM read; `hpcrl export` copies what the checkpoint holds, and dropped it: #41)
+MODEL_FILES = ("generation_config.json",)
+
+
+def base_model_files(model_dir) -> list[Path]:
+    """The MODEL_FILES the base model directory has."""
+    return [Path(model_dir) / name for name in MODEL_FILES if (Path(model_dir) / name).is_file()]
+
+
 class _TensorFiles:
     """The files load_into verifies as it reads them (single files and parts alike)."""
 
@@ -93,13 +105,13 @@ class _TensorFiles:
 TENSOR_FILES = _TensorFiles()
 
 
-def write_snapshot(snap: dict, directory: Path, tokenizer=None) -> dict:
+def write_snapshot(snap: dict, directory: Path, tokenizer=None, model_files=()) -> dict:
     """Write a snapshot's files; return the manifest entries computed while writing them."""
     directory = Path(directory)
     known = {"model.safetensors": tensorfile.write(directory / "model.safetensors", snap["model"], {"format": "pt"})}
     tensors, meta = flatten_optimizer(snap["optimizer"])
     known["optimizer.safetensors"] = tensorfile.write(directory / "optimizer.safetensors", tensors, meta)
-    known.update(write_common(snap, directory, tokenizer))
+    known.update(write_common(snap, directory, tokenizer, model_files))
     return known
 
 
@@ -117,9 +129,10 @@ def write_part(part: dict, directory: Path, rank: int, world: int) -> dict:
     return known
 
 
-def write_common(snap: dict, directory: Path, tokenizer=None) -> dict:
+def write_common(snap: dict, directory: Path, tokenizer=None, model_files=()) -> dict:
     """What every checkpoint holds once, whoever wrote the tensors: reference model, RNG,
-    config, tokenizer, trainer state (and, written in parts, the model's index)."""
+    config, tokenizer, the base model's own files (model_files), trainer state (and, written in
+    parts, the model's index)."""
     directory = Path(directory)
     known = {}
     if snap["ref"] is not None:
@@ -130,6 +143,8 @@ def write_common(snap: dict, directory: Path, tokenizer=None) -> dict:
     snap["config"].save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    for path in model_files:
+        shutil.copyfile(path, directory / Path(path).name)
     (directory / "trainer_state.json").write_text(json.dumps(snap["state"], indent=1, sort_keys=True))
     return known
 
@@ -194,9 +209,10 @@ def estimate_save_s(nbytes: int, rate_bps: float = SAVE_RATE_ESTIMATE_BPS) -> fl
 class Checkpointer:
     """Saves (optionally in a background thread, at most one in flight) and loads checkpoints."""
 
-    def __init__(self, ckpt_dir, keep_last: int = 3, async_save: bool = True, tokenizer=None):
+    def __init__(self, ckpt_dir, keep_last: int = 3, async_save: bool = True, tokenizer=None, model_files=()):
         self.ckpt_dir = Path(ckpt_dir)
         self.keep_last, self.async_save, self.tokenizer = keep_last, async_save, tokenizer
+        self.model_files = list(model_files)  # base_model_files: copied into every checkpoint
         self.store = store.CheckpointStore(self.ckpt_dir, keep_last, warn=self._warn)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -249,7 +265,7 @@ class Checkpointer:
             if rank:
                 parts.report(tmp, rank, known)
             else:
-                known.update(write_common(common, tmp, self.tokenizer))
+                known.update(write_common(common, tmp, self.tokenizer, self.model_files))
                 known.update(parts.collect(tmp, world, wait_s))
                 self.store.publish(tmp, step, known=known, prune_in_background=True)
         except BaseException as e:  # surfaced on the main thread by wait()
@@ -269,7 +285,7 @@ class Checkpointer:
         tmp = None
         try:
             tmp = self.store.new_tmp_dir()
-            known = write_snapshot(snap, tmp, self.tokenizer)
+            known = write_snapshot(snap, tmp, self.tokenizer, self.model_files)
             # old checkpoints are deleted in the background: the walltime stop's save is done
             # (and the trainer may exit) as soon as the pointer names the new one
             self.store.publish(tmp, step, known=known, prune_in_background=True)
@@ -361,13 +377,7 @@ def load_into(path, model, optimizer, ref_model=None) -> dict:
     """
     path, files = Path(path), _manifest_files(path)
     tensors = _reader(path, files)
-    model_files = parts.files_of(files, "model")
-    if len(model_files) == 1:
-        _load_module(model, tensors, model_files[0])
-    elif model_files:  # written in parts (fsdp): each file fills the parameters the index puts in it
-        _load_parts(model, tensors, model_files, path)
-    else:
-        raise CorruptFile("no model tensors in the manifest")
+    _load_model(path, files, tensors, model)
     optim_files = parts.files_of(files, "optimizer")
     if optim_files:
         got, metas = {}, []
@@ -379,6 +389,24 @@ def load_into(path, model, optimizer, ref_model=None) -> dict:
     else:  # written before optimizer.safetensors existed
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=_device_of(model), weights_only=True))
     return load_common(path, ref_model)
+
+
+def load_model(path, model) -> None:
+    """The policy's weights alone from the checkpoint `path`, read in place and checked against its
+    manifest as they are read (`hpcrl eval`: the weights as a resume loads them, no optimizer)."""
+    path = Path(path)
+    files = _manifest_files(path)
+    _load_model(path, files, _reader(path, files), model)
+
+
+def _load_model(path: Path, files: dict, tensors, model) -> None:
+    model_files = parts.files_of(files, "model")
+    if len(model_files) == 1:
+        _load_module(model, tensors, model_files[0])
+    elif model_files:  # written in parts (fsdp): each file fills the parameters the index puts in it
+        _load_parts(model, tensors, model_files, path)
+    else:
+        raise CorruptFile("no model tensors in the manifest")
 
 
 def load_common(path, ref_model=None) -> dict:
