@@ -9,12 +9,12 @@ import json
 from helpers import hpcrl
 
 
-def _run(tmp_path, name="pl", kl=0.0):
+def _run(tmp_path, name="pl", kl=0.0, args=None, trainer="builtin"):
     from hpcrl import runs
 
     rdir = tmp_path / "runs" / name
     rdir.mkdir(parents=True)
-    (rdir / "spec.json").write_text(json.dumps({"spec": {"trainer": "builtin", "args": {"reward": "countdown"},
+    (rdir / "spec.json").write_text(json.dumps({"spec": {"trainer": trainer, "args": args or {"reward": "countdown"},
                                                          "resources": {}}, "site": {"name": "local"}}))
     T = 1_000_000.0
     starts = [None, 0, 0, 0, 0, 10, 20]  # segments 2-5 made no progress: they all start at step 0
@@ -66,7 +66,23 @@ def test_beta_0_draws_no_flat_kl_panel_and_says_why(home, tmp_path):
     hpcrl("plot", "pl")
     drawn = _drawn(rdir / "pl.png")
     assert "kl" not in [p["metric"] for p in drawn["panels"]] and drawn["kl_not_computed"] is True
+    assert "KL not computed (beta 0: no reference model)" in drawn["title"]
     rdir2 = _run(tmp_path, "pk", kl=0.001)
     hpcrl("plot", "pk")
     drawn = _drawn(rdir2 / "pk.png")
     assert "kl" in [p["metric"] for p in drawn["panels"]] and drawn["kl_not_computed"] is False
+
+
+def test_a_run_with_beta_above_0_is_never_said_to_have_no_reference(home, tmp_path):
+    """#41: "beta 0: no reference model" of a run with beta 0.04 whose logged KL was 0.0 (the
+    policy still at its reference, and the trainer rounded to 6 places). The spec's beta decides."""
+    rdir = _run(tmp_path, "pb", args={"reward": "countdown", "beta": 0.04})
+    hpcrl("plot", "pb")
+    drawn = _drawn(rdir / "pb.png")
+    assert "kl" in [p["metric"] for p in drawn["panels"]] and drawn["kl_not_computed"] is False
+    assert "beta 0" not in drawn["title"] and "no reference" not in drawn["title"], drawn["title"]
+    # a trainer whose beta hpcrl does not know: the values decide, and the title claims no beta
+    rdir = _run(tmp_path, "pm", trainer="maxtext", args={})
+    hpcrl("plot", "pm")
+    drawn = _drawn(rdir / "pm.png")
+    assert drawn["kl_not_computed"] is True and "KL 0.0 at every logged step" in drawn["title"], drawn["title"]

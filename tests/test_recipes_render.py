@@ -103,7 +103,7 @@ def test_tinyzero_sized_builtin_recipe_shards_with_fsdp_like_its_verl_twin(tmp_p
     assert BuiltinTrainer().check_submit(a, 4) is None
 
 
-@pytest.mark.parametrize("recipe", ["countdown-tiny", "code-tiny", "smoke"])
+@pytest.mark.parametrize("recipe", ["countdown-tiny", "code-tiny", "code-repair-tiny", "smoke"])
 def test_cpu_recipes_stay_one_process_on_the_local_site(tmp_path, recipe):
     text = render_recipe(tmp_path, recipe, "--site", "local", "--name", recipe)
     assert "torch.distributed.run" not in text and "HPCRL_STOP_FILE" not in text

@@ -244,6 +244,8 @@ def test_builtin_run_plot_metrics_and_export_that_generates_like_the_trainers_ev
     record = json.loads((out / "hpcrl-export.json").read_text())
     assert (record["run"], record["step"]) == ("ct", 50) and record["manifest_sha256"]
     assert not (out / "optimizer.safetensors").exists() and not (out / "rng.pt").exists()
+    # the base model's generation_config.json, as it was (#41: export dropped it)
+    assert (out / "generation_config.json").read_bytes() == (rdir / "model" / "generation_config.json").read_bytes()
     assert str(out) in hpcrl("status", "ct").stdout
     assert json.loads(hpcrl("status", "ct", "--json").stdout)[0]["export"]["step"] == 50
     _same_greedy_as_the_trainer(rdir, out, records)

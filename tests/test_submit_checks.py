@@ -80,7 +80,26 @@ def test_builtin_data_files_are_checked_at_submit(fast_local, home, tmp_path, ca
 def test_a_builtin_model_directory_that_does_not_exist_is_refused(fast_local, home, tmp_path):
     r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "mdl",
               "--set", f"args.model={tmp_path / 'Qwen2.5-0.5B'}", check=False)
-    _refused(home, r, f"args.model: {tmp_path / 'Qwen2.5-0.5B'} does not exist; download the model first")
+    _refused(home, r, f"args.model: {tmp_path / 'Qwen2.5-0.5B'} does not exist; to get a model, download it on a "
+                      f"login node (`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`) and give "
+                      f"DIR as args.model")
+
+
+def test_a_mistyped_model_path_names_the_model_beside_it_not_a_download_into_it(fast_local, home, tmp_path):
+    """#41 item 7: a typo in args.model was answered with a download command into the typo."""
+    real = tmp_path / "models" / "Qwen2.5-0.5B-Instruct"
+    real.mkdir(parents=True)
+    (real / "config.json").write_text("{}")
+    typo = tmp_path / "models" / "Qwen2.5-0.5B-Instuct"
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "mdl",
+              "--set", f"args.model={typo}", check=False)
+    _refused(home, r, f"args.model: {typo} does not exist (did you mean {real}?); to get a model, download it")
+    assert f"--local-dir {typo}" not in r.stderr
+    # a directory above the model: the models in it
+    r = hpcrl("submit", "--site", fast_local, "--trainer", "builtin", "--hours", "0.01", "--name", "mdl",
+              "--set", f"args.model={real.parent}", check=False)
+    _refused(home, r, f"args.model: {real.parent} is not a Hugging Face model directory (no config.json) "
+                      f"(models in it: {real}); to get a model")
 
 
 def _verl_args(tmp_path, rows=64):

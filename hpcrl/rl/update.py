@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import envs
 from . import algos, memory, parallel, policy
 from .dist import generator
 
@@ -30,7 +31,7 @@ def _micro_loss(t, batch, sub, adv, ref_logp, single, all_tokens, global_rows):
     old = logp.detach() if single or mb.old_logp is None else mb.old_logp
     loss, got = algos.policy_loss(
         logp, old, adv[sub], mb.response_mask, cfg.algorithm, cfg.clip_low, cfg.clip_high, cfg.loss_agg,
-        None if ref_logp is None else ref_logp[sub], cfg.beta, norm_len=cfg.max_response_length)
+        None if ref_logp is None else ref_logp[sub], cfg.beta, norm_len=envs.sequence_tokens(cfg))
     # each micro loss is a mean over its own rows: weight it into the mean over all of idx
     weight = mb.response_mask.sum() / all_tokens if cfg.loss_agg == "token-mean" else len(sub) / global_rows
     return loss, got, weight
@@ -80,7 +81,9 @@ class Update:
             last = {k: (None if any(d[k] is None for d in got) else sum(d[k] for d in got) / len(got))
                     for k in got[0]}
         kl = last.pop("kl_ref")
-        return {"loss": round(sum(losses) / len(losses), 6), "kl": round(kl, 6) if kl is not None else 0.0,
+        # 6 significant digits, not places: early in a run at a small lr the KL is ~1e-7, and 0.0
+        # would read as no reference at all (`plot` said "beta 0" of a run with beta 0.04: #41)
+        return {"loss": round(sum(losses) / len(losses), 6), "kl": float(f"{kl:.6g}") if kl is not None else 0.0,
                 **{k: round(v, 6) for k, v in last.items()}, **mismatch}
 
     def _old_logprobs(self, batch) -> dict:

@@ -42,7 +42,8 @@ def _series(records: list[dict], key: str, train: bool) -> tuple[list, list, lis
     return [r["step"] for r in ordered], [r[key] for r in ordered], [r.get("phase") for r in ordered]
 
 
-def panels_for(runs_records: list[list[dict]], metrics: list[str] | None) -> list[tuple[str, str, str | None]]:
+def panels_for(runs_records: list[list[dict]], metrics: list[str] | None,
+               betas: list[float | None] | None = None) -> list[tuple[str, str, str | None]]:
     keys = {k for recs in runs_records for r in recs for k, v in r.items() if isinstance(v, (int, float))}
     if metrics:
         unknown = [m for m in metrics if m not in keys]
@@ -51,16 +52,32 @@ def panels_for(runs_records: list[list[dict]], metrics: list[str] | None) -> lis
             raise HpcrlError(f"--metric {unknown[0]}: not in these runs' metrics; they have: {have}")
         return [(m, m, None) for m in metrics]
     chosen = [p for p in DEFAULT_PANELS if (p[1] in keys or (p[2] and p[2] in keys)) and not
-              (p[1] == "kl" and not kl_computed(runs_records))]
+              (p[1] == "kl" and not kl_computed(runs_records, betas))]
     if not chosen:
         raise HpcrlError("no metrics to plot yet (metrics.jsonl is empty); try again once the run has made steps")
     return chosen
 
 
-def kl_computed(runs_records: list[list[dict]]) -> bool:
+def kl_computed(runs_records: list[list[dict]], betas: list[float | None] | None = None) -> bool:
     """Whether any run has a KL to its reference: with beta 0 the trainer keeps no reference and
-    logs kl 0.0 at every step (a flat panel would read as 'no drift')."""
+    logs kl 0.0 at every step (a flat panel would read as 'no drift'). A run whose spec has beta >
+    0 has one, whatever its logged values (a short run's may all be 0.0: #41, "beta 0" said of a
+    run with beta 0.04); where the beta is not known, the values decide."""
+    if any(b for b in betas or []):
+        return True
     return any(r.get("kl") for recs in runs_records for r in recs if isinstance(r.get("kl"), (int, float)))
+
+
+def kl_beta(run: Run) -> float | None:
+    """The run's KL coefficient as its frozen spec holds it (the built-in trainer's args.beta,
+    0.0 when unset: the schema's default); None for a trainer that logs KL otherwise."""
+    try:
+        spec = json.loads(run.layout.spec.read_text(encoding="utf-8"))["spec"]
+        if spec.get("trainer") != "builtin":
+            return None
+        return float((spec.get("args") or {}).get("beta") or 0.0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
@@ -73,7 +90,8 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
     except ImportError:
         raise HpcrlError("`hpcrl plot` needs matplotlib: pip install 'hpcrl[plot]'") from None
     data = [(run, run.state(), read_records(run.layout.metrics)) for run in runs]
-    panels = panels_for([d[2] for d in data], metrics)
+    betas = [kl_beta(run) for run, _, _ in data]
+    panels = panels_for([d[2] for d in data], metrics, betas)
     names = {}
     for run, _, _ in data:
         names.update(reward_names(run))
@@ -98,12 +116,16 @@ def plot(runs: list[Run], out: Path, metrics: list[str] | None = None) -> dict:
         if handles:
             ax.legend(handles, labels, loc="best", fontsize=8)
     axes[-1][0].set_xlabel("step")
-    no_kl = not metrics and not kl_computed([d[2] for d in data]) and any("kl" in r for d in data for r in d[2])
-    fig.suptitle(" vs ".join(r.id for r in runs) + ": metrics by step (dotted: segment starts, ^: checkpoints)"
-                 + ("\nKL not computed (beta 0: no reference model), so no KL panel" if no_kl else ""))
+    no_kl = not metrics and not kl_computed([d[2] for d in data], betas) and any("kl" in r for d in data for r in d[2])
+    heading = " vs ".join(r.id for r in runs) + ": metrics by step (dotted: segment starts, ^: checkpoints)"
+    if no_kl:  # "beta 0" only where the specs say so
+        heading += ("\nKL not computed (beta 0: no reference model), so no KL panel" if all(b == 0.0 for b in betas)
+                  else "\nKL 0.0 at every logged step, so no KL panel")
+    fig.suptitle(heading)
     fig.tight_layout()  # after the right-hand axes exist: their labels are laid out too
     drawn = describe([axes[r][0] for r in range(len(panels))], [r.id for r in runs], panels, twins)
     drawn["kl_not_computed"] = no_kl
+    drawn["title"] = heading
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100, metadata={"hpcrl": json.dumps(drawn)}, bbox_inches="tight", pad_inches=0.15)
@@ -205,7 +227,8 @@ def _key(s: str) -> str:
 
 def reward_names(run: Run) -> dict[str, str]:
     """reward/<sanitised term> -> a readable name (my_reward.py:compute_score) for the run's
-    custom reward terms, read from its frozen spec."""
+    custom reward terms, read from its frozen spec: the keys of runs from before the trainer named
+    such terms short itself (hpcrl/rewards/mix.py term_names)."""
     import re
 
     try:

@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import SpecError
+from ..errors import SpecError, not_a_model_dir
 
 MARK = "HPCRL-PROBE "  # the probe's answer line (a reward module may print on import)
 
@@ -212,6 +212,4 @@ def check_model_dir(key: str, value: str, env: dict) -> None:
     path = expand(value, env)
     if path is None or (path / "config.json").is_file():
         return
-    what = "does not exist" if not path.exists() else "is not a Hugging Face model directory (no config.json)"
-    raise SpecError(f"{key}: {path} {what}; download the model first on a login node, e.g. "
-                    f"`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir {path}`")
+    raise SpecError(not_a_model_dir(key, path))

@@ -107,7 +107,7 @@ def test_model_reward_run_with_a_tiny_local_reward_model(tmp_path):
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in steps if r.get("phase") == "train"]
     assert len(train) == 2
-    assert all(any(k.startswith("reward/model_") for k in r) and "reward/countdown" in r for r in train)
+    assert all("reward/model.rm" in r and "reward/countdown" in r for r in train)  # the model term named short
     assert any(r.get("phase") == "eval_after" for r in steps)
 
 
