@@ -62,7 +62,7 @@ def _slurm_locks(request):
 # with each file's measured time, the best of the 720 orders (~1,190 s); q2's order put the vLLM
 # tier and the Slurm verl run on one worker (~1,470 s).
 TIERS = ("test_demo.py", "test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_vllm_tier.py",
-         "test_verl_tier_slurm.py")
+         "test_verl_tier_slurm.py", "test_llm_judge_tier.py", "test_smollm2_code.py")
 PHASES = ("light", "tiers")
 
 
@@ -79,11 +79,15 @@ QUICK = (
     "test_recipes_render.py", "test_maxtext.py", "test_tpu_backend.py",
     "rl/test_algos.py", "rl/test_memory.py", "rl/test_rewards.py", "rl/test_rollout_and_checkpoint.py",
     "rl/test_data_and_commands.py", "rl/test_config.py", "rl/test_walltime.py", "test_samples.py",
-    "test_env_documented.py",
+    "test_env_documented.py", "test_eval.py", "rl/test_llm_judge.py", "test_issue41_small.py",
+    "test_verl_samples.py",
 )
 NOT_QUICK = (
     "rl/test_rewards.py::test_reward_model_batch_normalisation_is_global_and_truncates_from_the_left",  # ~21 s
     "test_tpu_backend.py::test_real_gcloud_parses_our_argv",  # the real gcloud CLI, 2-7 s a call
+    "rl/test_llm_judge.py::test_submit_checks_the_judge_without_calling_it",  # three CLI submits, ~2 s
+    # two tiny trainer runs, ~20 s
+    "rl/test_llm_judge.py::test_the_trainer_steps_with_a_judge_term_and_fails_in_one_line_when_it_is_down",
 )
 NOT_QUICK_MARKERS = ("slow", "slurm", "uses_ray", "stops_slurmctld")
 TESTS_DIR = Path(__file__).resolve().parent

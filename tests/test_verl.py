@@ -93,6 +93,7 @@ def test_recipe_overrides_compose_to_the_intended_values(name):
     assert env_vars.VERL_FILE_LOGGER_PATH == str(ctx.run_dir / "verl-metrics" / "segment-002.jsonl")
     assert cfg.reward.custom_reward_function.path == str(ctx.run_dir / "verl" / "rewards.py")
     assert cfg.reward.custom_reward_function.name == "compute_score"
+    assert cfg.trainer.rollout_data_dir == str(ctx.run_dir / "verl" / "rollouts")  # what `hpcrl samples` reads
     assert cfg.data.train_files.startswith("/pscratch/sd/u/user/")  # $SCRATCH expanded in the job
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size is None  # only the *_per_gpu form is set
 
@@ -156,6 +157,8 @@ def test_hostile_paths_reach_verl_unchanged(hostile):
 def test_user_may_not_override_hpcrl_owned_keys():
     with pytest.raises(SpecError, match="trainer.default_local_dir.*set by hpcrl"):
         VerlTrainer().validate_args(base_args(overrides=["trainer.default_local_dir=/elsewhere"]))
+    with pytest.raises(SpecError, match="trainer.rollout_data_dir.*set by hpcrl"):  # `hpcrl samples` reads it
+        VerlTrainer().validate_args(base_args(overrides=["trainer.rollout_data_dir=/elsewhere"]))
 
 
 @pytest.mark.parametrize("bad, field", [({"algorithm": "dpo"}, "args.algorithm"), ({"save_freq": 0}, "args.save_freq"),

@@ -228,6 +228,20 @@ def test_ppo_saves_by_the_deadline_survives_a_hard_kill_and_resumes_exactly(home
     # the killed segment's steps past its save count as lost (status may not have seen the last one
     # a moment before the kill: q9 counted 1 of the file's 2)
     assert 1 <= good[1]["lost_steps"] <= seg2[-1] - killed_at, good
+    # `hpcrl samples` reads verl's own dump of each step (the adapter's trainer.rollout_data_dir):
+    # every step once, the killed segment's past its save trained and dumped again, and a step's
+    # scores are those verl's metrics averaged
+    from hpcrl.job import verl_rollouts
+
+    assert list(verl_rollouts.list_steps(verl_rollouts.rollouts_dir(run.dir))) == list(range(1, total + 1))
+    last = [json.loads(ln) for ln in hpcrl("samples", "vppo", "--step", total, "--format", "jsonl").stdout.splitlines()]
+    assert len(last) == TINY_ARGS["train_batch_size"] * TINY_ARGS["rollout_n"] and {s["step"] for s in last} == {total}
+    assert any(s["turns"][-1]["content"].strip() for s in last), last[:2]
+    assert all(s["turns"][0]["content"].startswith("numbers ") and "target" in s["ground_truth"] for s in last)
+    score_mean = next(r["data"]["critic/score/mean"] for r in records[2] if r["step"] == total)
+    assert sum(s["reward"] for s in last) / len(last) == pytest.approx(score_mean, abs=1e-5)
+    shown = hpcrl("samples", "vppo", "--worst", "--limit", "2").stdout
+    assert f"{total} steps" in shown and shown.count("assistant:") == 2, shown
     no_ray_left()
 
 

@@ -37,11 +37,16 @@ from pathlib import Path
 
 from hpcrl.job.supervisor import Supervisor, deadline_of, log, segment_of
 from hpcrl.protocol import ENV_METRICS, next_save_fits
+from hpcrl.samplestore import DEFAULT_MAX_MB
+from hpcrl.job import verl_rollouts
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 ESI_SAVE_S = 60  # verl's should_save_ckpt_esi(save_ckpt_duration=60) default
 METRICS_DIR = "verl-metrics"
+# verl dumps every step's generations (trainer.rollout_data_dir): older steps are thinned past this,
+# at each segment's start and end (the built-in trainer's default budget for its samples)
+ROLLOUTS_BUDGET = int(DEFAULT_MAX_MB * 1e6)
 # In every process of this segment's verl (driver, local Ray, the job's Ray workers): the launcher
 # waits for them all to be gone before it reads the final tracker and records.
 TAG_ENV = "HPCRL_VERL_SEGMENT_TAG"
@@ -317,6 +322,9 @@ class VerlSupervisor(Supervisor):
         prune_checkpoints(self.ckpt_dir, self.opts.keep)
         self.last_ckpt = read_tracker(self.ckpt_dir)
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        # verl's dumps of steps past the checkpoint are a lost segment's: they are trained again
+        verl_rollouts.prune(verl_rollouts.rollouts_dir(self.run_dir), self.last_ckpt)
+        verl_rollouts.thin(verl_rollouts.rollouts_dir(self.run_dir), ROLLOUTS_BUDGET)
 
     def on_term(self) -> None:
         self.request = "term"
@@ -371,6 +379,7 @@ class VerlSupervisor(Supervisor):
             self.settle()
         else:  # a TERM from outside (walltime, preemption) wants a prompt exit: the next segment aligns
             self.poll_once()
+        verl_rollouts.thin(verl_rollouts.rollouts_dir(self.run_dir), ROLLOUTS_BUDGET)
 
     def settle(self) -> None:
         """After verl's driver exited: wait for the rest of this segment's verl (its Ray actors

@@ -1,11 +1,13 @@
 """`hpcrl samples RUN`: what the model generated, how each answer scored and why, from the
-samples the built-in trainer keeps (RUN/samples, hpcrl/samplestore.py). Stdlib only: the same
-lines drawn plain (piped) or with rich (terminal.samples); pandas and pyarrow load only for
+samples the built-in trainer keeps (RUN/samples, hpcrl/samplestore.py) or verl's own dump of
+each step (RUN/verl/rollouts, read as the same records by hpcrl/job/verl_rollouts.py). Stdlib
+only: the same lines drawn plain (piped) or with rich (terminal.samples); pandas and pyarrow load only for
 `--format parquet`."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from collections import Counter
@@ -13,20 +15,37 @@ from pathlib import Path
 
 from .. import samplestore
 from ..errors import HpcrlError
+from ..job import verl_rollouts
 
 SHOW = 8  # samples shown when --limit is not given (an export takes all of them)
 PROMPT_LINES = 4  # lines of each prompt turn shown: the response is what one reads samples for
 
 
-def kept_steps(run) -> dict[int, int]:
-    """{step: bytes} of the run's kept steps; a one-line error when there are none."""
-    steps = samplestore.list_steps(run.layout.samples)
+def source(run, directory=None):
+    """(list_steps, read_step, directory) of the run's samples: an `hpcrl eval`'s `directory`,
+    verl's dumps for a verl run, else the built-in trainer's store."""
+    if directory is None and run.state().get("trainer") == "verl":
+        return verl_rollouts.list_steps, verl_rollouts.read_step, verl_rollouts.rollouts_dir(run.dir)
+    return samplestore.list_steps, samplestore.read_step, directory or run.layout.samples
+
+
+def kept_steps(run, directory=None) -> dict[int, int]:
+    """{step: bytes} of the run's kept steps (or of an `hpcrl eval`'s samples `directory`); a
+    one-line error when there are none."""
+    list_steps, _, where = source(run, directory)
+    steps = list_steps(where)
     if steps:
         return steps
+    if directory is not None:
+        raise HpcrlError(f"no samples in {directory}: not an `hpcrl eval` output (see `ls {run.dir}/evals`)")
     trainer = run.state().get("trainer", "?")
+    if trainer == "verl":
+        raise HpcrlError(f"no samples recorded yet: run '{run.id}' has no step of verl's in {where} (verl writes "
+                         "each step's generations there after its reward; a run submitted before hpcrl set "
+                         "trainer.rollout_data_dir has none)")
     if trainer != "builtin":
         raise HpcrlError(f"no samples recorded yet: run '{run.id}' uses the {trainer} trainer; only the built-in "
-                         "trainer keeps its samples (verl's generations are in its own logger)")
+                         "and verl trainers keep samples")
     raise HpcrlError(f"no samples recorded yet: run '{run.id}' has none in {run.layout.samples} (the built-in "
                      "trainer writes them after each RL step, every args.samples_every steps; 0 turns them off)")
 
@@ -45,11 +64,13 @@ def ranges(steps) -> str:
 
 
 def choose(run, step: int | None = None, order: str | None = None, reason: str | None = None,
-           limit: int | None = None, everything: bool = False) -> tuple[list[dict], str]:
+           limit: int | None = None, everything: bool = False, directory=None) -> tuple[list[dict], str]:
     """(samples, a line saying what they are). Without --step: the newest step, or every kept
-    step when sorting or filtering (--worst, --best, --reason) or exporting (`everything`)."""
-    steps = kept_steps(run)
-    directory = run.layout.samples
+    step when sorting or filtering (--worst, --best, --reason) or exporting (`everything`).
+    `directory`: an `hpcrl eval`'s samples instead of the run's (eval_samples_dir)."""
+    steps = kept_steps(run, directory)
+    evaluation = directory is not None
+    _, read_step, directory = source(run, directory)
     if step is not None:
         if step not in steps:
             raise HpcrlError(f"step {step} has no samples kept in run '{run.id}'; kept steps: {_short(steps)}")
@@ -58,7 +79,7 @@ def choose(run, step: int | None = None, order: str | None = None, reason: str |
         picked = list(steps)
     else:
         picked = [max(steps)]
-    chosen = [s for k in picked for s in samplestore.read_step(directory, k)]
+    chosen = [s for k in picked for s in read_step(directory, k)]
     where = f"step {picked[0]}" if len(picked) == 1 else f"{len(picked)} steps"
     if reason is not None:
         have = Counter(str(s.get("reason")) for s in chosen)
@@ -74,10 +95,21 @@ def choose(run, step: int | None = None, order: str | None = None, reason: str |
     if limit is not None and limit > 0:
         chosen = chosen[:limit]
     rewards = [s.get("reward", 0.0) for s in chosen]
-    head = (f"run {run.id}, {where} (kept: {_short(steps)}): {len(chosen)} of {total} samples"
+    label = f"run {run.id} eval {Path(directory).parent.name}" if evaluation else f"run {run.id}"
+    head = (f"{label}, {where} (kept: {_short(steps)}): {len(chosen)} of {total} samples"
             + (f", {order} first" if order else "") + (f", reason {reason}" if reason else "")
             + (f"; reward mean {sum(rewards) / len(rewards):.3f}" if rewards else ""))
     return chosen, head
+
+
+def eval_samples_dir(run, name: str) -> Path:
+    """`--eval NAME|DIR`: the samples of an `hpcrl eval` (RUN/evals/NAME, or its --out DIR)."""
+    path = Path(name) if os.sep in name or name.startswith(".") else run.dir / "evals" / name
+    if not path.is_dir():
+        have = sorted(p.name for p in (run.dir / "evals").glob("*") if p.is_dir())
+        raise HpcrlError(f"--eval {name}: no such evaluation of run '{run.id}'; its evaluations: "
+                         f"{', '.join(have) or 'none (hpcrl eval RUN makes one)'}")
+    return path / samplestore.SAMPLES_DIR
 
 
 def _short(steps) -> str:
@@ -98,10 +130,13 @@ def lines(samples: list[dict], width: int = 80) -> list[tuple[str, str]]:
     width = max(40, width)
     out: list[tuple[str, str]] = []
     for s in samples:
-        title = (f"-- step {s.get('step')}  sample {s.get('sample')}  group {s.get('group')}  "
-                 f"segment {s.get('segment')} ")
+        # an evaluation's samples have no segment or advantage, and say how they were decoded
+        title = "  ".join([f"-- step {s.get('step')}", f"sample {s.get('sample')}", f"group {s.get('group')}",
+                           *(f"{k} {s[k]}" for k in ("segment", "decoding") if k in s)]) + " "
         out.append((title[:width].ljust(width, "-"), "head"))
-        parts = [f"reward {s.get('reward', 0.0):.3f}", f"advantage {_num(s.get('advantage'))}"]
+        parts = [f"reward {s.get('reward', 0.0):.3f}"]
+        if "advantage" in s:
+            parts.append(f"advantage {_num(s.get('advantage'))}")
         if s.get("reason"):
             parts.append(f"reason {s['reason']}")
         terms = s.get("terms") or {}

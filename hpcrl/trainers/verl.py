@@ -30,6 +30,7 @@ from ..errors import SpecError
 from ..schemas import Choice, Float, Int, Schema, Str, StrList, fail
 from ..shell import q
 from .base import Trainer, TrainerContext, check_override_keys
+from ..job.verl_rollouts import ROLLOUTS_DIR
 
 VERL_VERSION = "0.9.1"
 HYDRA_PINS = ("hydra-core==1.3.2", "omegaconf==2.3.0", "antlr4-python3-runtime==4.9.3")
@@ -77,6 +78,7 @@ OWNED_KEYS = (
     "trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path", "trainer.nnodes",
     "trainer.n_gpus_per_node", "trainer.val_before_train", "trainer.logger", "trainer.use_v1",
     "trainer.save_freq", "trainer.esi_redundant_time", "ray_kwargs.ray_init.num_cpus",
+    "trainer.rollout_data_dir",  # `hpcrl samples` reads verl's dumps there (hpcrl/job/verl_rollouts.py)
 )
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_./~:+@-]+$")
 _OVERRIDE = re.compile(r"^(\+\+|\+|~)?([A-Za-z_][\w.@-]*)=(.*)$", re.S)
@@ -292,6 +294,8 @@ class VerlTrainer(Trainer):
             "trainer.max_critic_ckpt_to_keep": a["max_ckpt_to_keep"],
             "trainer.use_v1": a["save_mode"] == "periodic",
             "trainer.esi_redundant_time": a["save_time_s"],
+            # each step's prompts, responses and scores, for `hpcrl samples RUN` (job/verl_rollouts.py)
+            "trainer.rollout_data_dir": str(Path(ctx.run_dir) / ROLLOUTS_DIR),
         }
         if a["total_training_steps"] is not None:
             out["trainer.total_training_steps"] = a["total_training_steps"]
