@@ -112,7 +112,7 @@ def instrument(trainer, phases: Phases):
     from hpcrl.rl import loop
 
     phases.wrap(trainer.rollout, "generate", "rollout")
-    phases.wrap(trainer, "reward", "reward")
+    phases.wrap(trainer.env, "score", "reward")  # args.reward as the environment calls it (its details kept)
     phases.wrap(trainer.optimizer, "step", "optimizer")
     phases.wrap(trainer, "_logprobs_no_grad", "extra forward (reference / old log-probs)")
     real_logprobs = loop.policy.response_logprobs

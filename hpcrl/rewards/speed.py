@@ -15,8 +15,8 @@ min(speedup, max_speedup) / max_speedup (the reference itself scores 1/max_speed
 min_speedup (too slow).
 
 The noise bound is stated before measuring (the row's `noise`, default 0.25): the spread of the
-answer's repeats, (max - min) / median of its CPU seconds above the empty program's, is reported
-as `spread`, and a sample over its bound is marked `noisy` (its score stands; the share of noisy
+answer's repeats, the median absolute deviation over the median of its CPU seconds above the empty
+program's, is reported as `spread`, and a sample over its bound is marked `noisy` (its score stands; the share of noisy
 samples says whether the bench is long enough for this machine).
 
 How it can be gamed, and what stops it:
@@ -94,7 +94,9 @@ def _judge(times: dict, opts: dict) -> dict:
     if ref <= 0:
         return {**_zero("reference_too_short"), "pass_rate": 1.0}
     speedup = ref / max(mid, 1e-6)
-    spread = (max(answer) - min(answer)) / max(mid, 1e-6)
+    # the median absolute deviation over the median: one repeat that a burst of load slowed moves
+    # it little, where (max - min) / median took that burst whole (0.03 quiet, 0.3-0.55 beside a hog)
+    spread = statistics.median(abs(t - mid) for t in answer) / max(mid, 1e-6)
     noisy = float(spread > opts["noise"])
     if speedup < opts["min_speedup"]:
         return {**_zero("too_slow"), "pass_rate": 1.0, "speedup": round(speedup, 4), "spread": round(spread, 4),

@@ -15,13 +15,16 @@ REF = ("def total(n):\n    s = 0\n    for _ in range(2):\n        for i in range
        "            s += i * i\n    return s // 2\n")
 FAST = "def total(n):\n    s = 0\n    for i in range(n):\n        s += i * i\n    return s\n"   # half the work
 WRONG_FAST = "def total(n):\n    return 0\n"
-AT_IMPORT = ("TABLE = {}\ns = 0\nfor i in range(400_000):\n    s += i * i\nTABLE[400_000] = s\n"
+AT_IMPORT = ("TABLE = {}\ns = 0\nfor i in range(800_000):\n    s += i * i\nTABLE[800_000] = s\n"
              "def total(n):\n    if n in TABLE:\n        return TABLE[n]\n" + FAST.split("\n", 1)[1])
 FORKER = ("import os\ndef total(n):\n    if os.fork() == 0:\n        os._exit(0)\n    s = 0\n"
           "    for i in range(n):\n        s += i * i\n    return s\n")
-NOISE = 0.3  # the row's stated bound on the spread of the answer's repeats
+# The row's stated bound on the spread (the median absolute deviation over the median) of the
+# answer's repeats, and on how far the reference as the answer may stray from a speedup of 1:
+# what this shared 2-core machine keeps beside the whole suite and two hogs. A 2x answer clears 1 + NOISE.
+NOISE = 0.3
 ROW = {"tests": ["assert total(10) == 285", "assert total(0) == 0", "assert total(3) == 5"],
-       "reference": REF, "bench": "total(400_000)", "repeats": 5, "noise": NOISE, "max_speedup": 4.0}
+       "reference": REF, "bench": "total(800_000)", "repeats": 7, "noise": NOISE, "max_speedup": 4.0}
 
 
 def _score(code: str) -> dict:
