@@ -40,15 +40,17 @@ def step_file(directory, step: int) -> Path:
     return Path(directory) / f"step-{int(step):08d}.jsonl"
 
 
-def list_steps(directory) -> dict[int, int]:
-    """{step: bytes} of every kept step file (temporaries and foreign files left out)."""
+def list_steps(directory, name=None) -> dict[int, int]:
+    """{step: bytes} of every kept step file (temporaries and foreign files left out); `name`: the
+    files' pattern, its group the step (default this store's step-NNNNNNNN.jsonl)."""
+    name = name or _NAME
     out = {}
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return out
     for e in entries:
-        m = _NAME.match(e.name)
+        m = name.match(e.name)
         if m:
             try:
                 out[int(m.group(1))] = e.stat().st_size

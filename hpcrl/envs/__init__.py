@@ -31,10 +31,7 @@ tests) and the row's extra_info plus `turns` and `messages` (the conversation af
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from pathlib import Path
-
+from ..rewards.score import import_target
 from .base import Environment, Turn, sequence_tokens  # noqa: F401  (the interface, by its package's name)
 
 
@@ -50,18 +47,12 @@ def load(cfg, score) -> Environment:
     target, _, name = spec.rpartition(":")
     if not target or not name:
         raise ValueError(f"args.env: {spec!r} is not one of {sorted(builtin)} nor module:Class or /file.py:Class")
-    if target.endswith(".py"):
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise ValueError(f"args.env: {path} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(f"hpcrl_user_env_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:  # one line at the start, not the reward's message train.py gives an ImportError
-            raise ValueError(f"args.env: cannot import {target!r} ({e}); install it into the trainer's environment")
+    try:
+        module = import_target(target, "env")
+    except FileNotFoundError as e:
+        raise ValueError(f"args.env: {e.filename} does not exist") from None
+    except ImportError as e:  # one line at the start, not the reward's message train.py gives an ImportError
+        raise ValueError(f"args.env: cannot import {target!r} ({e}); install it into the trainer's environment")
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"args.env: {spec!r} is not a subclass of hpcrl.envs.Environment")

@@ -25,6 +25,7 @@ import os
 import re
 from pathlib import Path
 
+from .. import samplestore
 from ..samplestore import json_records
 
 ROLLOUTS_DIR = "verl/rollouts"  # in the run directory
@@ -38,19 +39,7 @@ def rollouts_dir(run_dir) -> Path:
 
 def list_steps(directory) -> dict[int, int]:
     """{step: bytes} of every dumped step file."""
-    out = {}
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return out
-    for e in entries:
-        m = _NAME.match(e.name)
-        if m:
-            try:
-                out[int(m.group(1))] = e.stat().st_size
-            except OSError:
-                continue
-    return dict(sorted(out.items()))
+    return samplestore.list_steps(directory, _NAME)
 
 
 def step_file(directory, step: int) -> Path:
@@ -88,25 +77,20 @@ def prune(directory, after: int | None) -> list[int]:
     checkpoint, so every dump is of a trajectory being trained again): a lost segment trained
     past its checkpoint, and if the run ends before they are replayed they would describe a
     trajectory that no longer exists. Returns the steps deleted."""
-    gone = []
-    for step in list_steps(directory):
-        if after is None or step > after:
-            try:
-                os.unlink(step_file(directory, step))
-                gone.append(step)
-            except OSError:
-                pass
-    return gone
+    return _delete(directory, [step for step in list_steps(directory) if after is None or step > after])
 
 
 def thin(directory, budget_bytes: int) -> list[int]:
     """Keep the dumps within `budget_bytes` by the built-in store's rule (samplestore.to_thin:
     the newest half whole, the older half every 2nd step, then every 4th...). verl writes every
     step; the launcher calls this at each segment's start and end."""
-    from ..samplestore import to_thin
+    return _delete(directory, samplestore.to_thin(list_steps(directory), budget_bytes))
 
+
+def _delete(directory, steps) -> list[int]:
+    """Delete these steps' dumps; the steps deleted (one already gone is not)."""
     gone = []
-    for step in to_thin(list_steps(directory), budget_bytes):
+    for step in steps:
         try:
             os.unlink(step_file(directory, step))
             gone.append(step)

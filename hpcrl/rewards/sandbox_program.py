@@ -95,7 +95,7 @@ def answer(req, code, state, real, cap, io):
     objs = state["objs"]
     try:
         if op == "d":
-            return ("v", [describe(state["ns"], name, objs, real) for name in req[1]], None)
+            return ("v", [describe(state["ns"], name, objs) for name in req[1]], None)
         target = resolve(req[1], state["ns"], objs)
         if op == "c":
             args = [unwrap(a, state["ns"], objs, real) for a in req[2]]
@@ -182,11 +182,11 @@ def kinds(state):
         if type(name) is str and not name.startswith("__"):
             v = ns[name]
             if isinstance(v, type) or type(v).__name__ == "module" or callable(v):
-                out[str.__str__(name)] = describe(ns, name, None, None)
+                out[str.__str__(name)] = describe(ns, name, None)
     return out
 
 
-def describe(ns, name, objs, real):
+def describe(ns, name, objs):
     """What one of the task's names is here: a function, a class, a value, a module, or undefined."""
     if name not in ns:
         return ("u",)

@@ -279,6 +279,21 @@ BUILTIN = {
 }
 
 
+def import_target(target: str, kind: str):
+    """The module a user names: `/path/file.py` (loaded by path, as hpcrl_user_<kind>_<stem>) or
+    `package.module`; FileNotFoundError for a file that is not there, ImportError as import says.
+    Rewards and environments (hpcrl.envs) are named alike."""
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(2, "no such file", str(path))
+        mod_spec = importlib.util.spec_from_file_location(f"hpcrl_user_{kind}_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(target)
+
+
 def load_reward(spec: str):
     """A reward callable from 'auto' | 'countdown' | 'gsm8k' | 'gsm8k_flexible' | 'code' |
     'package.module:function' | '/path/to/file.py[:function]' (function defaults to compute_score)."""
@@ -286,15 +301,10 @@ def load_reward(spec: str):
         return BUILTIN[spec]
     target, _, func = spec.partition(":") if not spec.endswith(".py") else (spec, "", "")
     func = func or "compute_score"
-    if target.endswith(".py"):
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise ValueError(f"reward file {path} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(f"hpcrl_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
+    try:
+        module = import_target(target, "reward")
+    except FileNotFoundError as e:
+        raise ValueError(f"reward file {e.filename} does not exist") from None
     fn = getattr(module, func, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {target} has no function {func!r}")
