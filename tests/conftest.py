@@ -62,7 +62,7 @@ def _slurm_locks(request):
 # with each file's measured time, the best of the 720 orders (~1,190 s); q2's order put the vLLM
 # tier and the Slurm verl run on one worker (~1,470 s).
 TIERS = ("test_demo.py", "test_smollm2.py", "test_verl_tier.py", "test_maxtext_tier.py", "test_vllm_tier.py",
-         "test_verl_tier_slurm.py", "test_llm_judge_tier.py", "test_smollm2_code.py")
+         "test_verl_tier_slurm.py", "test_llm_judge_tier.py", "test_smollm2_code.py", "test_smollm2_repair.py")
 PHASES = ("light", "tiers")
 
 

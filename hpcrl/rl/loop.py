@@ -69,11 +69,16 @@ class RLTrainer(Update, Evaluation):
         """One RL step: rollout -> reward -> advantages -> update; None when a stop cut the rollout short."""
         cfg, G = self.cfg, self.cfg.group_size
         lr = self._set_lr(self._rl_lr())
+        # an abandoned step must leave no trace: the stop's checkpoint is resumed from, and a data
+        # position or RNG state past this step's draw made the next segment skip its rows
+        before = self.sampler.state(), checkpoint.rng_state()
         idx = self.sampler.next(cfg.batch_size)
         mine = self.dist.share(len(idx))  # whole groups: this rank's prompts and all their samples
         got = self._episodes([self.train_ex[idx[p]] for p in mine], [self.train_ids[idx[p]] for p in mine], mine)
         if self.walltime.after_phase(cut=got is None) is not None:
             self._say(f"step {self.step + 1} abandoned in its rollout: stop requested")
+            self.sampler = EpochSampler(len(self.train_ids), cfg.seed, **before[0])
+            checkpoint.set_rng_state(before[1])
             return None
         batch, eps = got
         examples = [self.train_ex[idx[p]] for p in mine for _ in range(G)]

@@ -16,6 +16,10 @@
                 chose before the process started: the deadline test's clock starts once the
                 trainer is ready (imports, model and data took over 40 s, and then over 20 s
                 past the imports, under the whole suite's load beside a hog: no step was reached)
+--usr1-in-rollout-of-step K  a SIGUSR1 to itself as step K's rollout begins (its rows drawn,
+                nothing decoded yet), and the HF rollout asks for a stop after every token (not
+                every 8th: a tiny model's responses are shorter): the stop that abandons a step,
+                not a race with the clock
 --grads-dir D   after every optimizer step's gradient reduction (before clipping and AdamW), rank
                 0 writes the whole gradients to D/grads-STEP-K.pt (K: the step's K-th update)
 
@@ -87,6 +91,25 @@ def shift_sampler_logprobs(shift: float) -> None:
     rollout.HFRollout.generate = wrapper
 
 
+def usr1_in_rollout_of_step(k: int) -> None:
+    import os
+    import signal
+
+    from hpcrl.rl import rollout
+    from hpcrl.rl.loop import RLTrainer
+
+    rollout.ABORT_EVERY = 1  # read at each token; how often it asks changes no number
+    episodes = RLTrainer._episodes
+
+    @functools.wraps(episodes)
+    def wrapper(self, *args, **kwargs):
+        if self.step + 1 == k:
+            os.kill(os.getpid(), signal.SIGUSR1)  # delivered before kill() returns: the handler has run
+        return episodes(self, *args, **kwargs)
+
+    RLTrainer._episodes = wrapper
+
+
 def install(step_delay_s: float = 0.0, save_pause_s: float = 0.0, eval_delay_s: float = 0.0,
             grads_dir: str | None = None) -> None:
     """Patch this process's trainer: every step and every save take that much longer."""
@@ -146,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-delay-s", type=float, default=0.0)
     parser.add_argument("--deadline-in-s", type=float)
     parser.add_argument("--grads-dir")
+    parser.add_argument("--usr1-in-rollout-of-step", type=int)
     parser.add_argument("--ckpt-dir-of-rank")
     parser.add_argument("--sampler-logp-shift", type=float)
     ns, rest = parser.parse_known_args(argv)
@@ -158,6 +182,8 @@ def main(argv=None) -> int:
         if os.environ.get("RANK") == rank:
             os.environ["HPCRL_CKPT_DIR"] = directory
     install(ns.step_delay_s, ns.save_pause_s, ns.eval_delay_s, ns.grads_dir)
+    if ns.usr1_in_rollout_of_step:
+        usr1_in_rollout_of_step(ns.usr1_in_rollout_of_step)
     from hpcrl.rl import train
 
     if ns.deadline_in_s is not None:

@@ -40,15 +40,16 @@ def trainer_env(run_dir: Path, segment: int = 1, deadline: float | None = None, 
 
 
 def start_trainer(run_dir: Path, segment: int = 1, deadline=None, step_delay_s: float = 0.0,
-                  save_pause_s: float = 0.0, deadline_in_s: float | None = None, **extra) -> subprocess.Popen:
-    """`python -m hpcrl.rl.train` on run_dir's trainer.json; with a step delay, a save pause or a
-    deadline counted from the end of the imports, the same trainer through hooked_train.py
-    (test-only hooks patched in)."""
+                  save_pause_s: float = 0.0, deadline_in_s: float | None = None, hooks: tuple = (),
+                  **extra) -> subprocess.Popen:
+    """`python -m hpcrl.rl.train` on run_dir's trainer.json; with a step delay, a save pause, a
+    deadline counted from the end of the imports or other hooks (hooked_train.py's flags), the
+    same trainer through hooked_train.py (test-only hooks patched in)."""
     config = ["--config", str(run_dir / "trainer.json")]
-    if step_delay_s or save_pause_s or deadline_in_s is not None:
+    if step_delay_s or save_pause_s or deadline_in_s is not None or hooks:
         later = [] if deadline_in_s is None else [f"--deadline-in-s={deadline_in_s}"]
         argv = [sys.executable, str(HOOKED), f"--step-delay-s={step_delay_s}", f"--save-pause-s={save_pause_s}",
-                *later, *config]
+                *later, *hooks, *config]
     else:
         argv = [sys.executable, "-m", "hpcrl.rl.train", *config]
     return subprocess.Popen(argv, env=trainer_env(run_dir, segment, deadline, **extra), cwd=str(run_dir),

@@ -250,6 +250,25 @@ def test_a_multi_turn_run_resumes_exactly(straight, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_stop_between_turns_abandons_the_step_and_the_resume_is_still_exact(straight, tmp_path):
+    """A stop inside step 4's episodes (step 3 done and not yet saved: the stop saves it): the step
+    is dropped and its rows are drawn again on resume."""
+    run_dir = tmp_path / "cut"
+    write_config(run_dir, **CODE_REPAIR)
+    proc = start_trainer(run_dir, hooks=("--usr1-in-rollout-of-step=4",), **_sandbox_env())
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
+    assert "step 4 abandoned in its rollout" in out + err and last_step(run_dir) == 3, (out + err)[-3000:]
+    rc, out, err = run_trainer(run_dir, segment=2, **_sandbox_env())
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    keys = ("step", "loss", "reward_mean", "env/turns_mean", "env/env_tokens_mean", "env/term/heldout")
+    steps = lambda d: {r["step"]: {k: r.get(k) for k in keys} for r in read_metrics(d) if r.get("phase") == "train"}
+    assert steps(run_dir) == steps(straight)
+    rows = lambda d: [[r["row"] for r in map(json.loads, (d / "samples" / f"step-{s:08d}.jsonl").open())]
+                      for s in range(3, 9)]  # the RL steps (1-2 warm up)
+    assert rows(run_dir) == rows(straight)  # the same rows, step for step
+
+
 def test_code_repair_on_rows_without_tests_is_a_one_line_error_at_the_start(tmp_path):
     write_config(tmp_path, env="code-repair")  # countdown rows: no tests to show or hold out
     rc, out, err = run_trainer(tmp_path)

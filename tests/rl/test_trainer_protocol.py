@@ -92,6 +92,24 @@ def test_sigusr1_resume_is_exact(straight, tmp_path):
     assert evals(run_dir) == evals(straight)
 
 
+def test_a_stop_inside_a_rollout_abandons_the_step_and_the_resume_is_still_exact(straight, tmp_path):
+    """The walltime signal most often lands in a rollout (the longest phase): the step is dropped
+    and the stop's checkpoint is the step before it (step 3: done, not yet saved by save_every 2).
+    Its rows are drawn again by the next segment: on the old loop the abandoned draw was saved
+    with it, and the resumed run skipped a batch of rows."""
+    run_dir = tmp_path / "cut"
+    write_config(run_dir)
+    proc = start_trainer(run_dir, hooks=("--usr1-in-rollout-of-step=4",))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == protocol.EXIT_CONTINUE, err[-3000:]
+    assert "step 4 abandoned in its rollout: stop requested" in out + err, (out + err)[-3000:]
+    assert last_step(run_dir) == 3 and CheckpointStore(run_dir / "checkpoints").latest_step() == 3
+    rc, out, err = run_trainer(run_dir, segment=2)
+    assert rc == protocol.EXIT_COMPLETE, err[-3000:]
+    assert steps_by_number(run_dir) == steps_by_number(straight)
+    assert_same_params(final_params(run_dir), final_params(straight))
+
+
 def test_deadline_stops_and_saves_before_it(tmp_path):
     run_dir = tmp_path / "deadline"
     write_config(run_dir, total_steps=10_000, save_every=0)
