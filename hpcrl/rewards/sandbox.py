@@ -478,6 +478,11 @@ def _read_result(fd: int, deadline: float) -> tuple[bytes, bool]:
         if not ready:
             continue
         chunk = os.read(fd, 8192)
+        if chunk.endswith(b"\n"):
+            # the harness's whole output is one line, written by pid 1 alone: done, without waiting
+            # for the sample's processes to exit (~1 ms: their memory unmapped before the pipe closes)
+            chunks.append(chunk)
+            return b"".join(chunks), False
         if not chunk:
             # EOF. The harness's output is one line ending in a newline; EOF before that line
             # is complete, at or past the deadline, is the wall-clock kill cutting it off (the

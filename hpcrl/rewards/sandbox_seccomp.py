@@ -4,8 +4,8 @@ that fails with EPERM the system calls through which one sample could leave answ
 surfaces, none of which a program judged on its values needs.
 
 Not imported by the trainer: sandbox.py joins this source to the harness's (sandbox.HARNESS, one
-code object; main() runs after every part is defined), and the harness calls lockdown() after its
-rlimits, in every sandboxed process. Stdlib only (it runs in `python -I -S`); lockdown() calls
+code object; main() runs after every part is defined), and the harness's pid 1 calls lockdown()
+once its mounts are made, before its first fork: every process of the sample inherits the filter. Stdlib only (it runs in `python -I -S`); lockdown() calls
 the harness's libc(), the filter's tables need nothing (scripts/bench_field_sandboxes.py imports
 them for bwrap's --seccomp); its names start with _ but lockdown, as they share the harness's globals. A failure raises: a sample that cannot
 be locked down does not run."""

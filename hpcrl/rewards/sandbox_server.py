@@ -9,6 +9,7 @@ def serve(fd):
     # comes when the trainer is gone (its end is close-on-exec, never inherited by its spawns).
     for name in ("prctl", "unshare", "mount", "syscall", "umount2", "chroot"):
         libc(name)
+    warm_compiler()  # every sample's processes inherit the compiler's types built
     me = os.getpid()
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
