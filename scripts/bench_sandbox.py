@@ -6,6 +6,9 @@ scaling with workers.
 --compare loads another version of sandbox.py (e.g. `git show main:hpcrl/rewards/sandbox.py > /tmp/old.py`)
 and measures it in the same rounds (its own fork server), as `other_fork` and `other_spawn`.
 
+`batch_ms_per_sample` (KIND/WORKERS): 64 calls through a thread pool, bare spawns, this sandbox
+and --compare's in turn; `batch_vs_bare_spawn` their ratio per round, the median.
+
 Prints one JSON object. Compare ratios, not absolute rates: they depend on the machine and on
 what else runs on it. Calls are measured one by one, each kind in turn (bare spawn, bare fork,
 sandbox through the fork server, sandbox spawned), so a burst of load on a shared machine hits
@@ -174,6 +177,18 @@ def main() -> None:
     base = scaling.get(1) or 1000 / out["median_call_ms"]["sandbox_fork"]
     out["pool_per_s"] = scaling
     out["pool_speedup"] = {w: round(r / base, 2) for w, r in scaling.items()}
+    # a batch's cost a sample: 64 calls through a pool, each kind in turn, against as many bare
+    # spawns through the same pool (what a reward over a rollout batch pays)
+    pools = {}
+    for _ in range(ns.repeats):
+        for w in sizes:
+            for k in ("bare_spawn", "sandbox_fork", "other_fork"):
+                if k in kinds:
+                    pools.setdefault((k, w), []).append(1000 / rate(kinds[k], 64, w))
+    out["batch_ms_per_sample"] = {f"{k}/{w}": round(statistics.median(v), 2) for (k, w), v in pools.items()}
+    out["batch_vs_bare_spawn"] = {
+        f"{k}/{w}": round(statistics.median(a / b for a, b in zip(v, pools[("bare_spawn", w)])), 3)
+        for (k, w), v in pools.items() if k != "bare_spawn"}
     batch = [(f"def f(x):\n    return x * {i}", [f"assert f(2) == {2 * i}"]) for i in range(64)]
     t0 = time.perf_counter()
     assert all(r.score == 1.0 for r in sandbox.run_batch(batch, dedupe=False))
