@@ -111,6 +111,11 @@ class Single:
         """The forward/backward passes this rank runs for its own n."""
         return n
 
+    def same_path(self, mine: bool) -> bool:
+        """Whether every rank takes a forward's two-pass form (a group's prompt once): this rank's
+        own choice where a forward has no collective."""
+        return mine
+
     def copy_weights(self, src, dst) -> None:
         dst.load_state_dict(src.state_dict())
 
@@ -198,6 +203,13 @@ class Sharded(Replicated):
     def passes(self, n: int) -> int:
         # every forward/backward is a collective: each rank runs the most any rank has
         return max(1, int(self.dist.max([n])[0]))
+
+    def same_path(self, mine: bool) -> bool:
+        # a forward's all-gathers are collectives: the shared-prompt form runs the model twice, the
+        # plain form once, so every rank takes the plain one unless all share (a micro-batch's rows
+        # form whole groups on one rank and not on another: cut from a shuffled mini-batch, or a
+        # rank's one-row stand-in when it has none left). Ranks that parted here hung.
+        return not self.dist.max([0.0 if mine else 1.0])[0]
 
     def copy_weights(self, src, dst) -> None:
         fsdp.copy_shards(src, dst)

@@ -119,7 +119,7 @@ def left_pad(seqs, pad_id: int, device=None):
 
 
 def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=1.0,
-                      group_size: int = 1, chunk_tokens: int = 0):
+                      group_size: int = 1, chunk_tokens: int = 0, shared: bool | None = None):
     """log pi(y_t | x, y_<t) for every response token (B x R), with the positions generate used.
 
     Position ids come from the attention mask: with left padding the default arange would shift
@@ -135,12 +135,16 @@ def response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     When the response tokens' logits would be large (more tokens than `chunk_tokens`; 0: as many
     as ~1 GiB of logits, `logit_chunk_tokens`), the model returns its final hidden states and the
     LM head and log-softmax run over one chunk of tokens at a time (`_chunked_logp`).
+
+    `shared`: whether to take the shared-prompt path, decided by the caller (shares_prompts()
+    agreed over the ranks, where each forward is a collective); None: decided here.
     """
     r = response_ids.shape[1]
     chunk = logit_chunk_tokens(model, chunk_tokens)
     run = _runner(model, hidden=response_ids.numel() > chunk)
-    if (group_size > 1 and not recomputes_layers(model) and rows_share_prompts(prompt_ids, prompt_mask, group_size)
-            and _plain_kv_cache(model)):
+    if shared is None:
+        shared = shares_prompts(model, prompt_ids, prompt_mask, group_size)
+    if shared:
         out = _shared_prompt(model, run, prompt_ids, prompt_mask, response_ids, group_size)
     else:
         # the last response token predicts nothing we score: it is not fed at all
@@ -234,6 +238,12 @@ def recomputes_layers(model) -> bool:
     cache passed to a layer, so the group-shared prompt (keys/values carried in a cache) cannot
     be used and the full forward is taken."""
     return bool(getattr(model, "is_gradient_checkpointing", False)) and model.training
+
+
+def shares_prompts(model, prompt_ids, prompt_mask, group_size: int) -> bool:
+    """Whether response_logprobs runs each group's prompt once (two forwards) or the rows whole (one)."""
+    return (group_size > 1 and not recomputes_layers(model) and rows_share_prompts(prompt_ids, prompt_mask, group_size)
+            and _plain_kv_cache(model))
 
 
 def rows_share_prompts(prompt_ids, prompt_mask, group_size: int) -> bool:

@@ -24,9 +24,11 @@ def _micro_loss(t, batch, sub, adv, ref_logp, single, all_tokens, global_rows):
     trainer, or any object with what the update reads)."""
     cfg = t.cfg
     mb = batch.select(sub)
+    shared = _layout(t).same_path(policy.shares_prompts(t.model, mb.prompt_ids, mb.prompt_mask, cfg.group_size))
     with t._compute():
         logp = policy.response_logprobs(t.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                        mb.response_mask, cfg.temperature, cfg.group_size, cfg.logit_chunk_tokens)
+                                        mb.response_mask, cfg.temperature, cfg.group_size, cfg.logit_chunk_tokens,
+                                        shared)
     # one update per batch: the policy *is* the sampler, so old = logp without a pass
     old = logp.detach() if single or mb.old_logp is None else mb.old_logp
     loss, got = algos.policy_loss(
