@@ -102,8 +102,9 @@ MAX_CODE_CHARS = 100_000     # longer answers are not compiled in the trainer
 _RESULT_CAP = 1 << 23  # bytes of values and outputs the trainer reads from one sample, at most
 NS_FLAGS = ["--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]
 USERNS_FLAGS = ["--user", "--map-root-user", *NS_FLAGS]
-# With namespaces (root), samples fork from one pre-started server instead of exec'ing an
-# interpreter each (see _ForkServer); HPCRL_SANDBOX_FORK_SERVER=0 keeps one exec per sample.
+# With namespaces (root) or userns (a user), samples fork from one pre-started server instead of
+# exec'ing an interpreter each (see _ForkServer, _served); HPCRL_SANDBOX_FORK_SERVER=0 keeps one
+# exec per sample.
 FORK_SERVER = os.environ.get("HPCRL_SANDBOX_FORK_SERVER", "1") != "0"
 
 
@@ -196,8 +197,8 @@ def _probe(python: str) -> str:
 
 
 def _argv(level: str, python: str) -> list:
-    # as root the harness makes its namespaces itself (enter_namespaces); without root, the
-    # user namespace's id maps are left to util-linux's unshare
+    # as root the harness makes its namespaces itself (enter_namespaces); a user's spawned sample
+    # leaves its user namespace's id maps to util-linux's unshare (forked: enter_namespaces too)
     prefix = [shutil.which("unshare") or "unshare", *USERNS_FLAGS] if level == "userns" else []
     return [*prefix, python, "-I", "-S", "-c", BOOT]
 
@@ -402,15 +403,47 @@ def _exchange_payload(code: str, mode: str, sent: list, limits: Limits, level: s
     # tests only never runs it that way: one bit of the tests the program may know)
     head = {"code": code, "mode": mode, "load": load, "nonce": marker, "cap": _RESULT_CAP,
             "limits": asdict(limits), "ns": level != "plain", "drop": level != "userns" and os.geteuid() == 0,
-            "unshare": level == "namespaces", "work": work, "prefix": sys.base_prefix}
+            "unshare": level == "namespaces", "userns": False, "work": work, "prefix": sys.base_prefix}
     # the whole tree: the program and its children, the test interpreter (~20 MB), and the
     # harness (~30 MB, 3 processes) above them
     groups = head["cgroups"] = (_cgroups.make(limits.memory_mb + 96, limits.processes + 4)
                                 if level == "namespaces" else [])
     try:
-        return _exchange_in(_frame(head) + _frame(sent), marker, work, limits, level, python, t0, server)
+        if _served(level, python, server):
+            # through the fork server, a userns sample makes its user namespace itself (the id
+            # maps util-linux's unshare writes on the spawn path); the rest as with namespaces
+            res = _SERVER.run(_frame(dict(head, unshare=True, userns=level == "userns")) + _frame(sent),
+                              t0 + limits.timeout_s)
+            if res is not None or server == _PROBE:
+                return (res or (b"", False))[0], marker, (res or (b"", False))[1]
+        # no server, or it could not be (re)started or died with the sample: this one execs instead
+        return _exchange_in(_frame(head) + _frame(sent), marker, work, limits, level, python, t0)
     finally:
         _cgroups.remove(groups)
+
+
+def _served(level: str, python: str, server: bool) -> bool:
+    """Whether a sample goes through the fork server: as root (namespaces), or as a user where
+    the server's own user namespaces passed their probe (userns), for the trainer's interpreter."""
+    if not server or os.path.realpath(python) != os.path.realpath(sys.executable):
+        return False
+    return level == "namespaces" or server == _PROBE or (level == "userns" and _userns_served(os.path.realpath(python)))
+
+
+_PROBE = "probe"  # `server` of the probe below: the server's path only, no fallback to a spawn
+
+
+@functools.lru_cache(maxsize=None)
+def _userns_served(python: str) -> bool:
+    """A user's samples may fork from the server only if a probe sample scores there: a host
+    that lets util-linux's unshare map a user namespace but not a forked child (another LSM
+    rule, say) keeps the spawn path."""
+    try:
+        probe = _run("def f():\n    return 1", ["assert f() == 1"], Limits(timeout_s=20), "userns", python,
+                     time.monotonic(), server=_PROBE)
+    except OSError:
+        return False
+    return probe.score == 1.0
 
 
 def _frame(obj) -> bytes:
@@ -421,12 +454,7 @@ def _frame_bytes(blob: bytes) -> bytes:
     return len(blob).to_bytes(8, "little") + blob
 
 
-def _exchange_in(payload: bytes, marker, work, limits, level, python, t0, server) -> tuple[bytes, str, bool]:
-    if server and level == "namespaces" and os.path.realpath(python) == os.path.realpath(sys.executable):
-        res = _SERVER.run(payload, t0 + limits.timeout_s)
-        if res is not None:
-            return res[0], marker, res[1]
-        # the server could not be (re)started or died with the sample: this one execs instead
+def _exchange_in(payload: bytes, marker, work, limits, level, python, t0) -> tuple[bytes, str, bool]:
     env = {"HPCRL_SANDBOX": marker}  # nothing of the trainer's; the marker finds stragglers (plain)
     try:
         proc = subprocess.Popen(_argv(level, python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,

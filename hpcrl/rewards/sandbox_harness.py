@@ -170,7 +170,16 @@ def enter_namespaces(out, p):
     # a uid of its own (issue 28, neighbours): RLIMIT_NPROC counts per uid, and this host pid is
     # unique while the sample lives (this process waits for it), so no two samples share one
     p["uid"] = UID_BASE + os.getpid()
-    libc("unshare")(0x00020000 | 0x40000000 | 0x20000000 | 0x08000000 | 0x04000000)
+    uid, gid = os.geteuid(), os.getegid()
+    # as a user: a user namespace too (CLONE_NEWUSER, made first by the kernel and owning the
+    # others), this user mapped to its root, as util-linux's `unshare --user --map-root-user`
+    libc("unshare")(0x00020000 | 0x40000000 | 0x20000000 | 0x08000000 | 0x04000000
+                    | (0x10000000 if p.get("userns") else 0))
+    if p.get("userns"):
+        for name, text in (("setgroups", b"deny"), ("uid_map", b"0 %d 1" % uid), ("gid_map", b"0 %d 1" % gid)):
+            fd = os.open("/proc/self/" + name, os.O_WRONLY)
+            os.write(fd, text)
+            os.close(fd)
     pid = os.fork()
     if pid:
         os.close(out)
