@@ -414,15 +414,17 @@ def _exchange_payload(code: str, mode: str, sent: list, limits: Limits, level: s
             # maps util-linux's unshare writes on the spawn path); the rest as with namespaces
             res = _SERVER.run(_frame(dict(head, unshare=True, userns=level == "userns")) + _frame(sent),
                               t0 + limits.timeout_s)
-            if res is not None or server == _PROBE:
-                return (res or (b"", False))[0], marker, (res or (b"", False))[1]
+            if res is None and server == _PROBE:
+                res = (b"", False)  # the probe is of the server's path: no spawn stands in for it
+            if res is not None:
+                return res[0], marker, res[1]
         # no server, or it could not be (re)started or died with the sample: this one execs instead
         return _exchange_in(_frame(head) + _frame(sent), marker, work, limits, level, python, t0)
     finally:
         _cgroups.remove(groups)
 
 
-def _served(level: str, python: str, server: bool) -> bool:
+def _served(level: str, python: str, server) -> bool:
     """Whether a sample goes through the fork server: as root (namespaces), or as a user where
     the server's own user namespaces passed their probe (userns), for the trainer's interpreter."""
     if not server or os.path.realpath(python) != os.path.realpath(sys.executable):
