@@ -79,8 +79,29 @@ def test_the_rows_tests_pass_their_python_version_and_fail_a_wrong_one():
         assert (bad["reason"], bad["score"]) == ("wrong_answer", 0.0), (r["name"], bad)
 
 
-def _train_steps(rdir) -> list[dict]:
+def train_steps(rdir) -> list[dict]:
     return [m for m in read_metrics(rdir) if m.get("phase") == "train"]
+
+
+def convert_rows(out):
+    """tests/data/c2py.jsonl through `hpcrl data convert`, as a user's file would go: 10 train rows,
+    2 test rows, each with its C function in the prompt and its asserts as the tests."""
+    conv = hpcrl("data", "convert", "--from", DATA, "--prompt-field", "c_code", "--tests-field", "py_tests",
+                 "--template", "Translate this C function to Python:\\n```c\\n{prompt}\\n```",
+                 "--system", "Reply with one ```python block.", "--out", out, "--test-rows", "2")
+    assert "kept 12, dropped 0" in conv.stdout and "wrote 10 rows" in conv.stdout, conv.stdout
+
+
+def walltime_signal_after(name: str, step: int) -> None:
+    """The walltime signal (the local backend's USR1 to the batch shell) once `step` is logged, not
+    at a clock time: the split does not depend on the machine's speed. Bounds for a loaded machine,
+    not a speed (test_smollm2.py saw 400 s steps beside the full suite)."""
+    rdir = run_dir(name)
+    wait_until(lambda: len(train_steps(rdir)) >= step or run_state(name)["state"] in RUN_END_STATES,
+               timeout=2400, what=f"step {step} of run {name}", poll=0.5)
+    assert len(train_steps(rdir)) >= step, log_tails(rdir)
+    rec = json.loads((rdir / ".queue" / "1.json").read_text())
+    os.kill(rec["pgid"], signal.SIGUSR1)
 
 
 def _response_lines(rec) -> list[str]:
@@ -98,29 +119,19 @@ def test_c_to_python_on_smollm2_through_submit_samples_shown_and_rescored(fast_l
 
     t0 = time.monotonic()
     data = tmp_path / "c2py"
-    conv = hpcrl("data", "convert", "--from", DATA, "--prompt-field", "c_code", "--tests-field", "py_tests",
-                 "--template", "Translate this C function to Python:\\n```c\\n{prompt}\\n```",
-                 "--system", "Reply with one ```python block.", "--out", data, "--test-rows", "2")
-    assert "kept 12, dropped 0" in conv.stdout and "wrote 10 rows" in conv.stdout, conv.stdout
+    convert_rows(data)
     spec = tmp_path / "c2py.yaml"
     spec.write_text(SPEC.format(data=data, steps=STEPS, prompts=PROMPTS, group=GROUP), encoding="utf-8")
     hpcrl("submit", spec, "--site", fast_local, "--name", "c2py")
     rdir = run_dir("c2py")
 
-    # the walltime signal (the local backend's USR1 to the batch shell) once step 2 is logged, not
-    # at a clock time: the split does not depend on the machine's speed. Bounds for a loaded
-    # machine, not a speed (test_smollm2.py saw 400 s steps beside the full suite).
-    wait_until(lambda: len(_train_steps(rdir)) >= 2 or run_state("c2py")["state"] in RUN_END_STATES,
-               timeout=2400, what="step 2 of the C-to-Python run", poll=0.5)
-    assert len(_train_steps(rdir)) >= 2, log_tails(rdir)
-    rec = json.loads((rdir / ".queue" / "1.json").read_text())
-    os.kill(rec["pgid"], signal.SIGUSR1)
+    walltime_signal_after("c2py", 2)
     state = wait_for_run("c2py", timeout=2400)
     assert state["state"] == "COMPLETED", log_tails(rdir)
     segs = started(state)
     resumed = segs[1]["start_step"] or 0
     assert len(segs) >= 2 and segs[0]["state"] == "CONTINUE" and 2 <= resumed < STEPS, segs
-    assert [m["step"] for m in _train_steps(rdir)] == list(range(1, STEPS + 1)), "every step once across segments"
+    assert [m["step"] for m in train_steps(rdir)] == list(range(1, STEPS + 1)), "every step once across segments"
 
     # every step's samples kept, across the resume: each step's from the segment that trained it
     directory = rdir / samplestore.SAMPLES_DIR

@@ -16,20 +16,15 @@ installed the run skips and says so (test_smollm2.py's condition).
 
 import hashlib
 import json
-import os
 import shutil
-import signal
 import sys
 import time
 
 import pytest
 
-from helpers import RUN_END_STATES, hpcrl, log_tails, read_metrics, run_dir, run_state, started, wait_for_run, \
-    wait_until
-from rl_helpers import REPO
+from helpers import hpcrl, log_tails, run_dir, started, wait_for_run
 from test_smollm2 import needs_wheel
-
-DATA = REPO / "tests" / "data" / "c2py.jsonl"
+from test_smollm2_code import convert_rows, train_steps, walltime_signal_after
 STEPS, PROMPTS, GROUP = 3, 2, 2  # 4 episodes a step: the least that still gives GRPO groups to compare
 
 # Sized for a 2-core CPU: two runs side by side, a thread each, three steps (~2 minutes quiet).
@@ -77,10 +72,6 @@ KEYS = ("step", "loss", "reward_mean", "reward_std", "kl", "response_len_mean", 
         "env/env_tokens_mean", "env/cut_by_tokens", "env/term/heldout")
 
 
-def _train_steps(rdir) -> list[dict]:
-    return [m for m in read_metrics(rdir) if m.get("phase") == "train"]
-
-
 def _final_weights(rdir) -> str:
     """A digest of the last checkpoint's model weights (every file of its model state)."""
     ckpts = sorted((rdir / "checkpoints").glob("step-*"))
@@ -104,10 +95,7 @@ def test_code_repair_on_smollm2_through_submit_resumes_exactly_and_shows_its_tur
 
     t0 = time.monotonic()
     data = tmp_path / "c2py"
-    conv = hpcrl("data", "convert", "--from", DATA, "--prompt-field", "c_code", "--tests-field", "py_tests",
-                 "--template", "Translate this C function to Python:\\n```c\\n{prompt}\\n```",
-                 "--system", "Reply with one ```python block.", "--out", data, "--test-rows", "2")
-    assert "kept 12, dropped 0" in conv.stdout, conv.stdout
+    convert_rows(data)
     spec = tmp_path / "repair.yaml"
     spec.write_text(SPEC.format(data=data, steps=STEPS, prompts=PROMPTS, group=GROUP), encoding="utf-8")
     # the uninterrupted run beside the cut one: the same spec, one segment
@@ -115,28 +103,23 @@ def test_code_repair_on_smollm2_through_submit_resumes_exactly_and_shows_its_tur
     hpcrl("submit", spec, "--site", fast_local, "--name", "cut")
     rdir, whole = run_dir("cut"), run_dir("whole")
 
-    # the walltime signal once step 1 is logged, not at a clock time (test_smollm2_code.py's way)
-    wait_until(lambda: len(_train_steps(rdir)) >= 1 or run_state("cut")["state"] in RUN_END_STATES,
-               timeout=2400, what="step 1 of the code-repair run", poll=0.5)
-    assert len(_train_steps(rdir)) >= 1, log_tails(rdir)
-    rec = json.loads((rdir / ".queue" / "1.json").read_text())
-    os.kill(rec["pgid"], signal.SIGUSR1)
+    walltime_signal_after("cut", 1)
     state = wait_for_run("cut", timeout=3000)
     assert state["state"] == "COMPLETED", log_tails(rdir)
     segs = started(state)
     resumed = segs[1]["start_step"] or 0
     assert len(segs) == 2 and segs[0]["state"] == "CONTINUE" and 1 <= resumed < STEPS, segs
-    assert [m["step"] for m in _train_steps(rdir)] == list(range(1, STEPS + 1)), "every step once across segments"
+    assert [m["step"] for m in train_steps(rdir)] == list(range(1, STEPS + 1)), "every step once across segments"
     state_whole = wait_for_run("whole", timeout=2400)
     assert state_whole["state"] == "COMPLETED" and len(started(state_whole)) == 1, log_tails(whole)
 
     # episodes of more than one turn were trained on (the point of the environment), none cut by tokens
-    train = _train_steps(rdir)
+    train = train_steps(rdir)
     assert all(1.0 <= m["env/turns_mean"] <= 2 and m["env/turns_max"] <= 2 for m in train), train
     assert any(m["env/turns_mean"] > 1 for m in train), [m["env/turns_mean"] for m in train]
 
     # resumed exactly: step for step the uninterrupted run's records, episodes and final weights
-    records = lambda d: [{k: m.get(k) for k in KEYS} for m in _train_steps(d)]
+    records = lambda d: [{k: m.get(k) for k in KEYS} for m in train_steps(d)]
     assert records(rdir) == records(whole)
     directory = rdir / samplestore.SAMPLES_DIR
     assert sorted(samplestore.list_steps(directory)) == list(range(1, STEPS + 1))
