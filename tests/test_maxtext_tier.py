@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, hpcrl, wait_for_run, wait_until
+from helpers import ROOT, dedicated_node, hpcrl, wait_for_run, wait_until
 
 pytestmark = [pytest.mark.slow]
 DOUBLE_DIR = ROOT / "tests" / "maxtext_cpu"
@@ -46,6 +46,13 @@ CPU_OVERRIDES = [
 # ... and environment
 CPU_ENV = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HPCRL_TEST_TPU_ROLLOUT_DOUBLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(autouse=True)
+def _dedicated_node(home):
+    """The runs' processes get a dedicated node's CPU priority (helpers.dedicated_node says why)."""
+    with dedicated_node(home):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, hpcrl, log_tails, wait_for_run
+from helpers import ROOT, dedicated_node, hpcrl, log_tails, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.uses_ray]
 DOUBLE_DIR = ROOT / "tests" / "verl_cpu"
@@ -65,6 +65,13 @@ TINY_ARGS = {
 STEPS_PER_EPOCH = 16
 # seconds each training step waits on the driver in the walltime tests (see the CPU double)
 STEP_DELAY_S = 2
+
+
+@pytest.fixture(autouse=True)
+def _dedicated_node(home):
+    """The runs' processes get a dedicated node's CPU priority (helpers.dedicated_node says why)."""
+    with dedicated_node(home):
+        yield
 
 
 @pytest.fixture(scope="session")

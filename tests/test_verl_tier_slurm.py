@@ -15,11 +15,18 @@ import os
 
 import pytest
 
-from helpers import hpcrl, log_tails, wait_for_run
+from helpers import dedicated_node, hpcrl, log_tails, wait_for_run
 from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, STEP_DELAY_S, STEPS_PER_EPOCH, TINY_ARGS, TRACKER, job_env, no_ray_left,  # noqa: F401 (fixtures)
                             segment_metrics, tiny, trained_steps, verl_python)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-tier"), pytest.mark.timeout(1500)]
+
+
+@pytest.fixture(autouse=True)
+def _dedicated_node(home):
+    """The runs' processes get a dedicated node's CPU priority (helpers.dedicated_node says why)."""
+    with dedicated_node(home):
+        yield
 
 
 def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resumes(home, slurm_cluster, verl_python,

@@ -38,8 +38,14 @@ def test_code_tiny_learns_through_the_sandbox(tmp_path):
     assert first <= 0.2, (first, last)
     assert last >= first + 0.1, (first, last)
     train = [r for r in rows if r.get("phase") == "train"]
-    assert all(r["reward/reason/ok"] + r.get("reward/reason/wrong_answer", 0) + r.get("reward/reason/syntax_error", 0)
-               + r.get("reward/reason/error", 0) + r.get("reward/reason/not_data", 0) == pytest.approx(1.0, abs=1e-3) for r in train if "reward/reason/ok" in r)
+    # Every sample has one reason: a step's reason fractions sum to 1, whichever reasons it had.
+    reasons = [{k.removeprefix("reward/reason/"): v for k, v in r.items() if k.startswith("reward/reason/")} for r in train]
+    assert all(sum(rs.values()) == pytest.approx(1.0, abs=1e-3) for rs in reasons if rs), reasons[:3]
+    assert set().union(*reasons) <= {"ok", "wrong_answer", "syntax_error", "error", "not_data", "timeout"}, set().union(*reasons)
+    # No expression of this vocabulary nears the 4 s CPU limit: a timeout is the 5 s wall-clock
+    # backstop (for programs that sleep) on a stalled machine: 2 of 16,000 samples in one step of a
+    # CI run (2026-12-06, its step took 7.7 s instead of ~1.5 s). Rare, never the signal.
+    assert sum(rs.get("timeout", 0) for rs in reasons) / len(reasons) < 0.01, [rs for rs in reasons if rs.get("timeout")]
 
 
 # The exploit, made reachable: every row's prefix (run before the completion, as a dataset's
