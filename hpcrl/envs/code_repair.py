@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+from ..rewards.mix import combine
 from .base import Environment, Turn
 
 FEEDBACK_TESTS = 4        # failing visible tests quoted in one message, at most
@@ -91,8 +92,8 @@ class CodeRepair(Environment):
         if done:
             values, metrics, details = self.score([self._held_row(i) for i in done], [responses[i] for i in done],
                                                   whole_batch=False)
-            self._parts.append((len(done), metrics))
-            self.metrics = _weighted(self._parts)
+            self._parts.append((metrics, len(done)))
+            self.metrics = combine(self._parts)  # the step's figures over every call of it
             for i, v, d in zip(done, values, details):
                 out[i] = Turn(None, {"heldout": v}, d)
         return out
@@ -125,13 +126,3 @@ class CodeRepair(Environment):
                  "messages": list(self.history[i])}
         return {**row, "ground_truth": json.dumps(gt), "extra_info": extra}
 
-
-def _weighted(parts: list) -> dict:
-    """The reward's figures over several calls of one step: each key's mean weighted by the calls' sizes."""
-    sums, weights = {}, {}
-    for n, metrics in parts:
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                sums[k] = sums.get(k, 0.0) + n * v
-                weights[k] = weights.get(k, 0) + n
-    return {k: round(sums[k] / weights[k], 6) for k in sums}

@@ -88,7 +88,7 @@ class Reward:
         """dist (training, where every rank scores its share of one global batch): a reward model's
         `batch` normalisation is over the global batch, the same on any number of ranks."""
         total = [0.0] * len(texts)
-        metrics: dict = {}
+        metrics = Figures()
         details = [{"terms": {}, "reason": None, "extras": {}} for _ in texts]
         for weight, name, short, fn in self.terms:
             values = fn(examples, texts, dist=dist) if isinstance(fn, ModelReward) else fn(examples, texts)
@@ -96,7 +96,7 @@ class Reward:
                 raise ValueError(f"reward {name!r} returned {len(values)} values for {len(texts)} responses")
             scores = [_score_of(v, name) for v in values]
             total = [t + weight * s for t, s in zip(total, scores)]
-            metrics.update(_extras(values, scores, short if len(self.terms) > 1 else None))
+            metrics.add(_extras(values, scores, short if len(self.terms) > 1 else None))
             _note(details, values, scores, short, len(self.terms) > 1)
         # each sample's own terms, reason and other keys: the trainer keeps them (RUN/samples)
         self.details = details
@@ -164,20 +164,78 @@ def _score_of(value, name: str) -> float:
     return float(value)
 
 
-def _extras(values: list, scores: list, term: str | None) -> dict:
-    """reward/<term> mean, numeric extra keys averaged, string ones as shares per value."""
-    out, n = {}, max(1, len(values))
+def _extras(values: list, scores: list, term: str | None) -> "Figures":
+    """reward/<term> mean, numeric extra keys averaged, string ones as shares per value; each with
+    what it is a mean over (Figures.weights), so that calls and ranks combine exactly."""
+    out, n = Figures(), max(1, len(values))
     if term:
-        out[f"reward/{_key(term)}"] = round(sum(scores) / n, 6)
+        out.put(f"reward/{_key(term)}", round(sum(scores) / n, 6), len(values))
     dicts = [v for v in values if isinstance(v, dict)]
     keys = dict.fromkeys(k for d in dicts for k in d if k != "score")
     for k in keys:
         vals = [d.get(k) for d in dicts if k in d]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, bool) for v in vals):
-            out[f"reward/{_key(k)}"] = round(sum(float(v) for v in vals) / len(vals), 6)
+            out.put(f"reward/{_key(k)}", round(sum(float(v) for v in vals) / len(vals), 6), len(vals))
         elif all(isinstance(v, str) for v in vals):
+            family = f"reward/{_key(k)}/"
+            out.weights[family] = len(vals)
             for value, count in Counter(vals).items():
-                out[f"reward/{_key(k)}/{_key(value)}"] = round(count / len(vals), 6)
+                out[family + _key(value)] = round(count / len(vals), 6)
+    return out
+
+
+class Figures(dict):
+    """A batch's reward figures (metrics.jsonl's reward/* keys) and what each one is a mean over
+    (`weights`): a mean's number of samples under its own key; a family of shares (reward/reason/ok,
+    reward/reason/timeout, ...) the number of samples that had the key, under the family's prefix
+    (ending in '/'): a value absent from one batch is a share of 0 there, not a missing figure.
+    Those make the figures of several reward calls (a multi-turn step's) and of every rank's share
+    of a step combine into the figures of the whole (combine), exactly as if scored at once."""
+
+    def __init__(self, values=(), weights=None):
+        super().__init__(values)
+        self.weights = dict(weights or {})
+
+    def put(self, key: str, value: float, weight: int) -> None:
+        self[key], self.weights[key] = value, weight
+
+    def add(self, other) -> None:
+        self.update(other)
+        self.weights.update(getattr(other, "weights", {}))
+
+
+def combine(parts: list) -> Figures:
+    """The figures of [(figures, n), ...] (n: the samples each part scored) as one batch's: each
+    mean weighted by what it is a mean over; a share over its family's samples in every part (0
+    where a part's family lacks the value); a figure without weights (a plain dict's) by n.
+    One part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0][0] if isinstance(parts[0][0], Figures) else Figures(parts[0][0])
+    families = {f for m, _ in parts for f in getattr(m, "weights", {}) if f.endswith("/")}
+
+    def family_of(key: str) -> str | None:  # the longest family prefix of a share's key
+        return max((f for f in families if key.startswith(f)), key=len, default=None)
+
+    sums, counts, totals = {}, {}, {}
+    for m, n in parts:
+        weights = getattr(m, "weights", {})
+        numbers = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        shares = {k: f for k in numbers if k not in weights and (f := family_of(k))}
+        for f in set(shares.values()) | (families & weights.keys()):
+            totals[f] = totals.get(f, 0) + weights.get(f, n)
+        for k, v in numbers.items():
+            w = weights.get(shares[k], n) if k in shares else weights.get(k, n)
+            sums[k] = sums.get(k, 0.0) + v * w
+            if k not in shares:
+                counts[k] = counts.get(k, 0) + w
+            else:
+                counts.setdefault(k, shares[k])  # over its family's samples in every part: below
+    out = Figures(weights={f: c for f, c in totals.items()})
+    for k, s in sums.items():
+        if isinstance(counts[k], str):
+            out[k] = round(s / totals[counts[k]], 6)
+        elif counts[k]:
+            out.put(k, round(s / counts[k], 6), counts[k])
     return out
 
 

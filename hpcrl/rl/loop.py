@@ -83,7 +83,7 @@ class RLTrainer(Update, Evaluation):
         batch, eps = got
         examples = [self.train_ex[idx[p]] for p in mine for _ in range(G)]
         values = [ep.reward for ep in eps]  # an episode's reward: the sum of its terms
-        reward_metrics = {**self.env.metrics, **episodes.figures(eps, self.env, self.dist.gather),
+        reward_metrics = {**self._reward_figures(len(eps)), **episodes.figures(eps, self.env, self.dist.gather),
                           "timing_s/reward": round(self.env_s, 4)}
         adv = algos.group_advantages(torch.tensor(values, dtype=torch.float32), G,
                                      scale_by_std=ALGORITHMS[cfg.algorithm].scale_by_std)
@@ -371,6 +371,14 @@ class RLTrainer(Update, Evaluation):
         normalisation is then over the global batch, a collective)."""
         values, metrics_ = self.reward(rows, texts, dist=self.dist if whole_batch else None)
         return values, metrics_, self.reward.details
+
+    def _reward_figures(self, n: int) -> dict:
+        """The reward's figures (reward/*) of the step over the global batch: every rank's share
+        combined as if scored at once (mix.combine; a collective). Rank 0's alone were logged
+        before: on two ranks, half the batch."""
+        mine = self.env.metrics
+        parts = self.dist.gather((dict(mine), getattr(mine, "weights", {}), n))
+        return dict(reward_mix.combine([(reward_mix.Figures(m, w), k) for m, w, k in parts]))
 
     def _batch_figures(self, values: list, batch, lr: float) -> dict:
         """The step's figures over the global batch, in its order."""

@@ -36,8 +36,9 @@ EXACT = ("step", "phase", "reward_mean", "reward_std", "solve_rate", "response_l
 
 
 def steps(run_dir):
-    """step -> the fields that must be equal on any world size (the last record of a redone step)."""
-    return {r["step"]: {k: r.get(k) for k in EXACT}
+    """step -> the fields that must be equal on any world size (the last record of a redone step):
+    the batch's, and the reward's figures (reward/*: the whole batch's on any number of ranks)."""
+    return {r["step"]: {k: v for k, v in r.items() if k in EXACT or k.startswith("reward/")}
             for r in read_metrics(run_dir) if r.get("phase") in ("sft", "train")}
 
 
@@ -63,7 +64,8 @@ def assert_same_steps(a, b):
     sa, sb = steps(a), steps(b)
     assert sa.keys() == sb.keys() == set(range(1, TOTAL + 1))
     for s in sa:
-        for k in EXACT:
+        assert sa[s].keys() == sb[s].keys(), f"step {s}: {sorted(sa[s])} vs {sorted(sb[s])}"
+        for k in sa[s]:
             x, y = sa[s][k], sb[s][k]
             if isinstance(x, float) and isinstance(y, float):
                 assert abs(x - y) <= 1e-5, f"step {s} {k}: {x} vs {y}"

@@ -296,6 +296,11 @@ def test_two_fsdp_ranks_with_shuffled_mini_batches_and_two_epochs_finish_as_one_
     assert proc.returncode == 0 and exit_file_code(two) == protocol.EXIT_COMPLETE, err[-3000:]
     losses = lambda d: [r["loss"] for r in read_metrics(d) if r.get("phase") == "train"]
     assert len(losses(one)) == 4 and losses(two) == pytest.approx(losses(one), rel=1e-3, abs=1e-6)
+    # the reward's figures are the whole batch's on two ranks too (rank 0's half was logged before)
+    figures = lambda d: [{k: v for k, v in r.items() if k.startswith(("reward/", "env/"))}
+                         for r in read_metrics(d) if r.get("phase") == "train"]
+    assert all("reward/reason/syntax_error" in f for f in figures(one)), figures(one)
+    assert figures(two) == [pytest.approx(f, abs=2e-6) for f in figures(one)], (figures(one), figures(two))
 
 
 def test_code_repair_on_rows_without_tests_is_a_one_line_error_at_the_start(tmp_path):

@@ -142,3 +142,40 @@ def test_reward_model_batch_normalisation_is_global_and_truncates_from_the_left(
     long = reward._text({"messages": [{"role": "user", "content": " ".join(["numbers"] * 40)}]}, "<answer> 7 </answer>")
     ids = reward.encode([long]).input_ids[0].tolist()
     assert len(ids) == 8 and ids[-3:] == reward.tok("<answer> 7 </answer>", add_special_tokens=False).input_ids[-3:]
+
+
+def test_reward_figures_of_parts_combine_into_those_of_the_whole_batch():
+    """Each rank logs its share's reward/* figures, a multi-turn step one set a reward call: the
+    whole batch's are made of them (mix.combine), exactly: a mean key only some samples had (its
+    own count), a reason absent from one part (a share of 0 there, not a missing figure), a
+    sample whose value is a bare float (no dict: no reason), a part without any key."""
+    import random
+
+    from hpcrl.rewards.mix import Figures, _extras, combine
+
+    rng = random.Random(7)
+    for trial in range(200):
+        n = rng.randint(2, 12)
+        values = []
+        for _ in range(n):
+            d = {"score": rng.random()}
+            if rng.random() < 0.9:
+                d["reason"] = rng.choice(["ok", "wrong_answer", "timeout"])
+            if rng.random() < 0.5:
+                d["pass_rate"] = rng.random()
+            values.append(d if rng.random() < 0.9 else rng.random())
+        scores = [v["score"] if isinstance(v, dict) else v for v in values]
+        whole = _extras(values, scores, "code")
+        cuts = [0, *sorted(rng.sample(range(1, n), rng.randint(1, min(3, n - 1)))), n]
+        parts = [(_extras(values[a:b], scores[a:b], "code"), b - a) for a, b in zip(cuts, cuts[1:])]
+        got = combine(parts)
+        assert got.keys() == whole.keys(), trial
+        assert all(got[k] == pytest.approx(whole[k], abs=2e-6) for k in whole), (trial, dict(got), dict(whole))
+    # rank 0 alone (what was logged before) is not the whole: one rank all ok, the other all timeouts
+    a = _extras([{"score": 1.0, "reason": "ok"}] * 4, [1.0] * 4, None)
+    b = _extras([{"score": 0.0, "reason": "timeout"}] * 4, [0.0] * 4, None)
+    assert dict(combine([(a, 4), (b, 4)])) == {"reward/reason/ok": 0.5, "reward/reason/timeout": 0.5}
+    # a plain dict (a user's environment's figures) weighs by its samples; one part is itself
+    assert combine([({"reward/x": 1.0}, 1), ({"reward/x": 0.0}, 3)])["reward/x"] == 0.25
+    one = Figures({"reward/y": 0.3}, {"reward/y": 3})
+    assert combine([(one, 3)]) is one
