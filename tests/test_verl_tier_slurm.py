@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -19,7 +20,7 @@ from helpers import dedicated_node, hpcrl, log_tails, wait_for_run
 from test_verl_tier import (CPU_ENV, CPU_OVERRIDES, STEP_DELAY_S, STEPS_PER_EPOCH, TINY_ARGS, TRACKER, job_env, no_ray_left,  # noqa: F401 (fixtures)
                             segment_metrics, tiny, trained_steps, verl_python)
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-tier"), pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.uses_ray("slurm-tier"), pytest.mark.timeout(2100)]
 
 
 @pytest.fixture(autouse=True)
@@ -61,18 +62,27 @@ def test_grpo_through_slurm_on_the_ray_bootstrap_saves_at_each_deadline_and_resu
     sets.update({f"env.{k}": v for k, v in {**CPU_ENV, "WANDB_MODE": "offline",
                                             "HPCRL_TEST_VERL_STEP_DELAY_S": 2 * STEP_DELAY_S}.items()})
     sets["args.logger"] = "wandb"
-    # 6-minute segments: under heavy load verl's start-up alone took a 3-minute one, and once all
-    # of a 4.8-minute one (CI runs; the first segment was killed at its walltime, exit 134)
-    argv = ["submit", spec, "--site", "testcluster", "--name", name, "--hours", "0.1", "--total-hours", "1",
+    # 9-minute segments: under heavy load verl's start-up alone took a 3-minute one, once all of a
+    # 4.8-minute one, then all of two 6-minute ones (CI of 2026-12-06: killed at the walltime, exit
+    # 134), and with the dedicated node's priority a resumed one's start-up and first step
+    # still outlasted 6 minutes once (CI of 2026-12-07)
+    argv = ["submit", spec, "--site", "testcluster", "--name", name, "--hours", "0.15", "--total-hours", "1",
             "--max-segments", "2"]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
     hpcrl(*argv, env=job_env())
     try:
-        state = wait_for_run(name, timeout=1100, poll=2)
+        state = wait_for_run(name, timeout=1600, poll=2)
     finally:
         hpcrl("cancel", name, check=False)
     run = Run.by_id(name)
+    # shown with a failure, whole (an assertion's message is cut short): the run's events, each
+    # segment's hpcrl lines and the last of its log
+    print(json.dumps(state["events"], indent=1), file=sys.stderr)
+    for log in sorted((run.dir / "logs").glob("job-*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        print(f"--- {log.name}", *[ln for ln in lines if ln.startswith("hpcrl")], "...", *lines[-25:],
+              sep="\n", file=sys.stderr)
     segs = [s for s in state["segments"] if s.get("rc") is not None]
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", (state, log_tails(run.dir))
     assert [s["rc"] for s in segs] == [85, 85], (segs, log_tails(run.dir))
