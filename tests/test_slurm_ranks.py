@@ -85,7 +85,7 @@ def _steps(run_id: str) -> list[int]:
 
 
 @pytest.mark.both_nodes
-@pytest.mark.timeout(1020 + BOTH_NODES_WAIT_S)
+@pytest.mark.timeout(1200 + BOTH_NODES_WAIT_S)
 def test_two_nodes_one_rank_each_through_segments_to_completion(ranks_site, pm_cluster, tmp_path):
     head, other = pm_cluster.nodes[:2]
     ranks_site.append("ranks2n")
@@ -94,11 +94,14 @@ def test_two_nodes_one_rank_each_through_segments_to_completion(ranks_site, pm_c
     # a rank on each node (the trainer logs no host: look at the processes)
     wait_until(lambda: _ranks_in(pm_cluster.netns(other), "ranks2n") and _ranks_in(pm_cluster.netns(head), "ranks2n"),
                BOTH_NODES_WAIT_S, "a trainer rank on each node")
-    wait_until(lambda: len(_steps("ranks2n")) >= 100, 120, "step 100")
-    # The walltime's warning, now rather than in 2.5 minutes (whatever this machine's speed): USR1 to
-    # the batch shell, exactly as the job's own --signal=B:USR1 delivers it
-    job = next(s["job_id"] for s in run_state("ranks2n")["segments"] if s["state"] == "RUNNING")
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, capture_output=True)
+    # The walltime's warning, once step 100 is logged rather than in 2.5 minutes (whatever this
+    # machine's speed): USR1 to the batch shell, exactly as the job's own --signal=B:USR1 delivers it.
+    # Beside the full suite segment 1 may not reach step 100 before its own walltime's USR1 (CI of
+    # 2026-12-07: stopped at step 55): then that one split the run, the same path.
+    first = lambda: run_state("ranks2n")["segments"][0]
+    wait_until(lambda: len(_steps("ranks2n")) >= 100 or first()["state"] != "RUNNING", 300, "step 100")
+    if first()["state"] == "RUNNING":  # (it may end by itself meanwhile: scancel then says so, unchecked)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", first()["job_id"]], capture_output=True)
     # a bound for a hung chain, not a time: beside the full suite the rest took 4 more segments
     # of 3 minutes and outlasted 360 s (CI of 2026-12-07)
     state = wait_for_run("ranks2n", timeout=960)
@@ -110,7 +113,7 @@ def test_two_nodes_one_rank_each_through_segments_to_completion(ranks_site, pm_c
         assert seg["state"] == "CONTINUE" and seg["rc"] == 85, seg  # the code from the exit file
     for prev, nxt in zip(ran, ran[1:]):
         assert nxt["start_step"] == prev["end_step"]
-    assert 100 <= ran[0]["end_step"] < 600 and ran[-1]["end_step"] == 600, ran
+    assert 1 <= ran[0]["end_step"] < 600 and ran[-1]["end_step"] == 600, ran
     assert sorted(set(_steps("ranks2n"))) == list(range(1, 601))
     for log in logs:
         assert f"hpcrl: torchrun rendezvous at {head}:" in log, log
