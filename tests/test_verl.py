@@ -527,9 +527,16 @@ def test_code_reward_through_verls_loader_scores_a_code_row(tmp_path, route):
         return score(data_source=row["data_source"], solution_str=response,
                      ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"])
 
-    good = call("```python\ndef add(a, b):\n    return a + b\n```")
+    def scored(response):
+        # a timeout here is the sample's 5 s wall-clock backstop on a loaded machine, not the route
+        # (beside the full suite a correct `add` scored `timeout` once, CI of 2026-12-07: the first
+        # call also starts the sandbox's fork server): asked once more
+        out = call(response)
+        return call(response) if out.get("reason") == "timeout" else out
+
+    good = scored("```python\ndef add(a, b):\n    return a + b\n```")
     assert good["score"] == 1.0 and good["all_passed"] == 1.0, good
-    half = call("```python\ndef add(a, b):\n    return 5\n```")
+    half = scored("```python\ndef add(a, b):\n    return 5\n```")
     assert half["score"] == 0.5 and half["pass_rate"] == 0.5, half
 
 
