@@ -158,13 +158,23 @@ def trainer_pids(run_dir: Path, module: str = "hpcrl.rl.train", under: bool = Fa
     """The processes of this run that run `python -m MODULE` (found by their HPCRL_RUN_DIR; a
     Slurm test cluster's jobs share this machine's process table). under=True: any run dir below
     `run_dir` (a fake TPU VM's, whose path the VM's startup script chooses)."""
-    tag = f"HPCRL_RUN_DIR={run_dir}{'/' if under else chr(0)}".encode()
+    out = []
+    for proc in processes_with(f"HPCRL_RUN_DIR={run_dir}{'/' if under else chr(0)}".encode()):
+        try:
+            if module.encode() in (proc / "cmdline").read_bytes():
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
+def processes_with(tag: bytes) -> list[Path]:
+    """The /proc entries of the processes whose environment holds `tag` (those this user may read)."""
     out = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and module.encode() in (proc / "cmdline").read_bytes() \
-                    and tag in (proc / "environ").read_bytes():
-                out.append(int(proc.name))
+            if proc.name.isdigit() and tag in (proc / "environ").read_bytes():
+                out.append(proc)
         except OSError:
             continue
     return out
@@ -328,13 +338,11 @@ def dedicated_node(home: Path, nice: int = DEDICATED_NICE, poll: float = 1.0):
         # every thread of every tagged process, each time: pids are reused (pid_max 32768 here),
         # and a thread started by a process at nice 0 (slurmstepd's, a Ray worker that set its
         # own) does not inherit the priority; ~300 environ reads a second cost milliseconds
-        for proc in Path("/proc").iterdir():
+        for proc in processes_with(tag):
             try:
-                if not proc.name.isdigit() or tag not in (proc / "environ").read_bytes():
-                    continue
                 tids = [int(t.name) for t in (proc / "task").iterdir()]
             except OSError:
-                continue  # gone, or not ours to read
+                continue  # gone
             for tid in tids:
                 try:
                     if os.getpriority(os.PRIO_PROCESS, tid) != nice:

@@ -216,7 +216,7 @@ def combine(parts: list) -> Figures:
     def family_of(key: str) -> str | None:  # the longest family prefix of a share's key
         return max((f for f in families if key.startswith(f)), key=len, default=None)
 
-    sums, counts, totals = {}, {}, {}
+    sums, counts, totals, family = {}, {}, {}, {}  # family: a share's key -> its family's prefix
     for m, n in parts:
         weights = getattr(m, "weights", {})
         numbers = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -226,14 +226,14 @@ def combine(parts: list) -> Figures:
         for k, v in numbers.items():
             w = weights.get(shares[k], n) if k in shares else weights.get(k, n)
             sums[k] = sums.get(k, 0.0) + v * w
-            if k not in shares:
-                counts[k] = counts.get(k, 0) + w
+            if k in shares:
+                family[k] = shares[k]  # over its family's samples in every part (totals)
             else:
-                counts.setdefault(k, shares[k])  # over its family's samples in every part: below
-    out = Figures(weights={f: c for f, c in totals.items()})
+                counts[k] = counts.get(k, 0) + w
+    out = Figures(weights=totals)
     for k, s in sums.items():
-        if isinstance(counts[k], str):
-            out[k] = round(s / totals[counts[k]], 6)
+        if k in family:
+            out[k] = round(s / totals[family[k]], 6)
         elif counts[k]:
             out.put(k, round(s / counts[k], 6), counts[k])
     return out
