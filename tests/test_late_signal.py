@@ -137,6 +137,38 @@ def test_a_signal_during_the_set_up_is_kept_for_the_trainer(fast_local, tmp_path
     assert state["state"] == "COMPLETED", state
 
 
+def test_a_usr1_before_the_runner_forked_the_trainer_still_reaches_it(fast_local, tmp_path):
+    # The USR1 that came during the set-up is delivered the moment the runner subshell starts; on a
+    # loaded machine the runner had not forked the trainer yet, the forward found no child, and the
+    # USR1 was lost: the trainer ran to its end (CI, 2026-12-07: COMPLETE 0 instead of CONTINUE 85).
+    # Here that window is made certain: the set-up line also sets a DEBUG trap that subshells inherit
+    # (set -T), so the runner waits 0.5 s before each of its commands, the trainer's fork included.
+    # The wait is a `read` with a timeout on a FIFO nobody writes (a builtin: `sleep` would be a
+    # child of the runner, and the runner's only child is meant to be the trainer).
+    ready, go, fifo = tmp_path / "ready", tmp_path / "go", tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sites = Path(os.environ["HPCRL_SITES_DIR"])
+    slow_fork = f"exec 9<>{fifo}; set -T; trap '(( BASH_SUBSHELL == 0 )) || read -r -t 0.5 -u 9 _ || :' DEBUG"
+    wait = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.1; done"
+    (sites / "slowfork.yaml").write_text(
+        f"extends: {fast_local}\nsetup:\n  - {json.dumps(wait)}\n  - {json.dumps(slow_fork)}\n", encoding="utf-8")
+    hpcrl("submit", "--site", "slowfork", "--trainer", "smoke", "--hours", "0.05", "--name", "fork",
+          "--set", "args.steps=150", "--set", "args.step_time_s=0.2", "--max-segments", "1")
+    rdir = run_dir("fork")
+    queue = rdir / ".queue" / "1.json"
+    wait_until(lambda: ready.exists() and _shell_known(queue), 300, "the segment's set-up line",
+               describe=lambda: _log(rdir))
+    _signal_shell(queue, signal.SIGUSR1)
+    go.touch()
+    wait_until(lambda: run_state("fork")["segments"][0].get("rc") is not None, 120, "segment 1's end",
+               describe=lambda: _log(rdir))
+    log, first = _log(rdir), run_state("fork")["segments"][0]
+    assert (first["state"], first["rc"]) == ("CONTINUE", 85), (first, log)
+    assert "hpcrl: USR1 arrived before the trainer started; delivering it now" in log, log
+    stopped = log.split("smoke: stopping for continuation at step", 1)[1].splitlines()[0]
+    assert "(SIGUSR1)" in stopped and first["end_step"] < 150, (first, log)
+
+
 def test_usr1_reaches_the_trainer_under_a_wrapper_that_does_not_exec(fast_local, tmp_path):
     # site.trainer_python is often a wrapper script (modules, an environment) that runs Python as
     # its child: the wrapper never handles USR1 itself, so the held USR1 goes to the first of its
