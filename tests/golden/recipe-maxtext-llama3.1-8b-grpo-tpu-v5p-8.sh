@@ -98,12 +98,29 @@ catches() {
   mask=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$1/status" 2>/dev/null)
   [ -n "$mask" ] && (( (16#$mask >> ($2 - 1)) & 1 ))
 }
+# The runner forks the trainer a moment after it starts: a signal in between (one that came
+# during the set-up is delivered right then) finds no child yet, and was lost (a USR1 under load
+# let the trainer run to its end). A waiter then delivers it once the trainer exists.
 forward() {
   [ -n "$runner" ] || return 0
-  local pid
-  for pid in $(pgrep -P "$runner"); do
-    if [ "$1" != USR1 ] || catches "$pid" "$usr1"; then
-      kill "-$1" "$pid" 2>/dev/null
+  local kids
+  kids=$(pgrep -P "$runner")
+  if [ -z "$kids" ]; then
+    ( while kill -0 "$runner" 2>/dev/null; do
+        kids=$(pgrep -P "$runner")
+        if [ -n "$kids" ]; then forward_to "$1" $kids; break; fi
+        sleep 0.1
+      done ) &
+    return 0
+  fi
+  forward_to "$1" $kids
+}
+forward_to() {
+  local sig=$1 pid
+  shift
+  for pid in "$@"; do
+    if [ "$sig" != USR1 ] || catches "$pid" "$usr1"; then
+      kill "-$sig" "$pid" 2>/dev/null
     else
       ( while kill -0 "$pid" 2>/dev/null; do
           for taker in "$pid" $(pgrep -P "$pid"); do
