@@ -183,17 +183,20 @@ def job_processes(run) -> list[int]:
 def test_grpo_stops_after_a_committed_save_survives_a_hard_kill_and_completes(home, maxtext_python, tiny, tmp_path):
     from hpcrl.runs import Run
 
-    # 48 steps of >= 4 s each (the rollout double's delay): segment 1 (252 s, the deadline 4 s
-    # before) holds at most ~35 however quiet the machine (start-up ~60 s), and at least two saves
-    # however loaded (start-up took ~2.5 minutes at load 15-24 here). max_segments 1 stops the
-    # chain there, so that segment 2 gets a longer walltime from `resume`. Pre-training
-    # evaluation: one batch of the test split.
+    # 48 steps of >= 12 s each in segment 1 (the rollout double's delay, read from a file at every
+    # step): its 540 s (the deadline 4 s before) never hold them all however quiet the machine
+    # (start-up ~60 s), and hold at least two saves however loaded (start-up took 2.5 to 4 minutes
+    # at load 15-24 in CI: a 4.2-minute segment saved nothing once). max_segments 1 stops the
+    # chain there, so that segment 2 gets a longer walltime from `resume`; segments 2 and 3 step
+    # at >= 4 s. Pre-training evaluation: one batch of the test split.
     total = 48
-    submit("mgrpo", "maxtext-llama3.1-8b-grpo", maxtext_python, tiny, tmp_path, hours=0.07,
+    pace = tmp_path / "rollout-delay-s"
+    pace.write_text("12")
+    submit("mgrpo", "maxtext-llama3.1-8b-grpo", maxtext_python, tiny, tmp_path, hours=0.15,
            args={"num_batches": total, "checkpoint_period": 2, "save_time_s": 5, "max_num_checkpoints_to_keep": 50},
            overrides=[f"hf_eval_files={tiny / 'test.parquet'}", "num_test_batches=1"],
-           env={"HPCRL_TEST_ROLLOUT_DELAY_S": "4"}, max_segments=1)
-    state = wait_for_run("mgrpo", timeout=900, poll=2)
+           env={"HPCRL_TEST_ROLLOUT_DELAY_S": pace}, max_segments=1)
+    state = wait_for_run("mgrpo", timeout=1200, poll=2)
     run = Run.by_id("mgrpo")
     seg1 = state["segments"][0]
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", state
@@ -210,6 +213,7 @@ def test_grpo_stops_after_a_committed_save_survives_a_hard_kill_and_completes(ho
 
     # Segment 2 gets 30 minutes; once it has committed a save of its own, every process of the
     # job is killed (a node failure: nothing could save), and segment 3 resumes from that save.
+    pace.write_text("4")
     hpcrl("resume", "mgrpo", "--hours", "0.5", "--max-segments", "3", env=job_env())
     wait_until(lambda: len(segment_records(run, "start")) == 2 and [s for s in committed(run) if s >= first[-1] + 4],
                900, "a save of segment 2", poll=0.5)

@@ -179,26 +179,30 @@ def test_ppo_saves_by_the_deadline_survives_a_hard_kill_and_resumes_exactly(home
     # PPO (GAE): the critic trains and is saved and restored beside the actor. (GRPO across
     # deadlines, chained by hpcrl itself: test_verl_tier_slurm.py.) Three segments of one run, one
     # verl start-up each (~100 CPU-s: the deadline and the hard kill share a run instead of two):
-    # 1. 4.8 minutes for 128 steps (8 epochs) of at least STEP_DELAY_S each (the double's delay,
-    #    inside verl's step timer): 256 s of delay alone, after a start-up of ~55 s and a ~20 s
-    #    first step, so they never all fit however fast the machine, yet there is room for
-    #    start-up and a save by the deadline under heavy load (3-minute segments saved nothing
-    #    once). verl saves by the deadline (ESI) and the segment exits 85; max_segments 1 stops
-    #    the run there. The delay, not the step count, fills the segment: 384 steps did, and the
-    #    verl tiers were half of the suite's CPU.
-    # 2. `resume --hours 0.5` (30 minutes for the rest): once a periodic save (every 4 steps) is
-    #    past segment 1's and two steps ran past it, every process of the segment is killed (a
-    #    node failure: no signal the trainer could act on).
+    # 1. 9.6 minutes for 128 steps (8 epochs) of at least 5 s each (the double's delay, inside
+    #    verl's step timer): 640 s of delay alone, so they never all fit however fast the machine,
+    #    yet there is room for start-up and a save by the deadline under the full suite's load
+    #    (verl's start-up, ~55 s alone, outlasted a 4.8-minute segment twice in CI, at load 15-24,
+    #    even at nice -10). verl saves by the deadline (ESI) and the segment exits 85; max_segments
+    #    1 stops the run there. The delay, not the step count, fills the segment: 384 steps did,
+    #    and the verl tiers were half of the suite's CPU.
+    # 2. `resume --hours 0.5` (30 minutes for the rest, STEP_DELAY_S a step: the delay is read
+    #    from a file at every step): once a periodic save (every 4 steps) is past segment 1's and
+    #    two steps ran past it, every process of the segment is killed (a node failure: no signal
+    #    the trainer could act on).
     # 3. The successor resumes from that periodic checkpoint and completes.
     total = 8 * STEPS_PER_EPOCH
-    submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.08,
+    pace = tmp_path / "step-delay-s"
+    pace.write_text("5")
+    submit("vppo", "tinyzero-countdown-ppo", verl_python, tiny, tmp_path, hours=0.16,
            args={"total_epochs": 8, "save_freq": 4, "critic_lr": 1e-5}, max_segments=1,
-           overrides=CRITIC_CPU_OVERRIDES, env={"HPCRL_TEST_VERL_STEP_DELAY_S": STEP_DELAY_S})
-    state = wait_for_run("vppo", timeout=600, poll=2)
+           overrides=CRITIC_CPU_OVERRIDES, env={"HPCRL_TEST_VERL_STEP_DELAY_S": pace})
+    state = wait_for_run("vppo", timeout=1200, poll=2)
     run = Run.by_id("vppo")
     assert state["state"] == "STOPPED" and state["stop"]["kind"] == "max_segments", (state, log_tails(run.dir))
     first = tracker_step(run)
     assert (run.layout.checkpoints / f"global_step_{first}" / "critic").is_dir()  # the critic saved too
+    pace.write_text(str(STEP_DELAY_S))
     hpcrl("resume", "vppo", "--hours", "0.5", "--max-segments", "3", env=job_env())
     wait_until(lambda: tracker_step(run) > first
                and max(trained_steps(segment_metrics(run.dir, 2)) or [0]) >= tracker_step(run) + 2, 900,

@@ -18,7 +18,9 @@ Tunix's "vanilla" rollout). This module stands in for both modules:
 
 HPCRL_TEST_ROLLOUT_DELAY_S (seconds, default 0) makes each generate() take at least that long, as
 a real rollout of long answers would: a tier test sets it so that a segment's walltime holds a
-bounded number of steps however fast the machine is (a tiny model steps in ~0.3 s).
+bounded number of steps however fast the machine is (a tiny model steps in ~0.3 s). A value that
+is a path names a file holding the seconds, read at every call, so that a test can give one
+segment a slower pace than the next.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ from flax import nnx  # noqa: E402
 from tunix.generate import tokenizer_adapter  # noqa: E402
 from tunix.rl import common  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
+
+
+def _delay_s() -> float:
+    value = os.environ.get("HPCRL_TEST_ROLLOUT_DELAY_S") or "0"
+    if value.startswith("/"):  # a file the test rewrites between segments
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read().strip() or "0"
+        except OSError:
+            value = "0"
+    return float(value)
 
 
 def register(*args, **kwargs):
@@ -108,7 +121,7 @@ class MaxTextVllmRollout(base_rollout.BaseRollout):
             gen = gen[: stop[0]] if stop.size else gen
             out_tokens.append(gen)
             texts.append(self._tok.decode(gen.tolist()))
-        time.sleep(max(0.0, float(os.environ.get("HPCRL_TEST_ROLLOUT_DELAY_S") or 0) - (time.monotonic() - started)))
+        time.sleep(max(0.0, _delay_s() - (time.monotonic() - started)))
         return base_rollout.RolloutOutput(text=texts, logits=[None] * len(texts), tokens=out_tokens,
                                           left_padded_prompt_tokens=prompt, logprobs=None)
 

@@ -24,7 +24,8 @@ measured in /work/shared/notes/verl-cpu.md):
   own timer, on the driver, before verl's deadline check. A walltime test then reaches its
   deadline with a few steps of real work instead of hundreds (the verl tiers were half of the
   suite's CPU), and verl's ESI window and hpcrl's save-fits rule both see the delay as step time,
-  as they would see a slow GPU step.
+  as they would see a slow GPU step. A value that is a path names a file holding the seconds,
+  read at every step, so that a test can give one segment a slower pace than the next.
 The rest is user configuration (Hydra overrides and environment) set by the test.
 """
 
@@ -216,16 +217,26 @@ def _patch_valuehead(mod):
     mod.load_valuehead_model = load_valuehead_model
 
 
+def _step_delay_s() -> float:
+    value = os.environ.get("HPCRL_TEST_VERL_STEP_DELAY_S") or "0"
+    if value.startswith("/"):  # a file, read at every step: the test changes the pace between segments
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read().strip() or "0"
+        except OSError:
+            value = "0"
+    return float(value)
+
+
 def _patch_step_delay(mod):
-    delay = float(os.environ.get("HPCRL_TEST_VERL_STEP_DELAY_S") or 0)
-    if delay <= 0:
+    if not os.environ.get("HPCRL_TEST_VERL_STEP_DELAY_S"):
         return
     original = mod.compute_advantage  # called once a step inside fit()'s "step" timer, on the driver
 
     def compute_advantage(*args, **kwargs):
         import time
 
-        time.sleep(delay)
+        time.sleep(max(0.0, _step_delay_s()))
         return original(*args, **kwargs)
 
     mod.compute_advantage = compute_advantage
