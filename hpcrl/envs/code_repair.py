@@ -103,8 +103,7 @@ class CodeRepair(Environment):
         from ..rewards import cpus, extract, sandbox
 
         cfg = self.cfg
-        limits = sandbox.Limits(timeout_s=cfg["code_timeout_s"], cpu_s=max(1, int(cfg["code_timeout_s"]) + 1),
-                                memory_mb=cfg["code_memory_mb"])
+        limits = sandbox.cpu_limits(cfg["code_timeout_s"], cfg["code_memory_mb"])
 
         def run(i):
             visible, _, prefix = self.split[i]

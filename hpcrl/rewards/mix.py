@@ -68,13 +68,12 @@ class Reward:
         return lambda examples, texts: judge.score([llm_judge.prompt_text(e["messages"]) for e in examples], texts)
 
     def _code_or_auto(self, name: str):
-        from .sandbox import Limits
+        from .sandbox import cpu_limits
 
         cfg = self.cfg
         if cfg.get("code_allow_plain"):  # the spec accepts the plain level (the sandbox refuses it otherwise)
             os.environ["HPCRL_SANDBOX_PLAIN"] = "1"
-        limits = Limits(timeout_s=cfg["code_timeout_s"], cpu_s=max(1, int(cfg["code_timeout_s"]) + 1),
-                        memory_mb=cfg["code_memory_mb"])
+        limits = cpu_limits(cfg["code_timeout_s"], cfg["code_memory_mb"])
         auto = _call_any(rewards.compute_score_batch)
 
         def score(examples, texts):

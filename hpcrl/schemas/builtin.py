@@ -275,7 +275,7 @@ SCHEMA = Schema("builtin", [
     Int("env_max_tokens", 1024, "tokens per episode after its prompt, the model's and the environment's (a "
         "multi-turn env; each turn also at most max_response_length)", ge=2),
     # --- the code reward (sandbox: hpcrl/rewards/sandbox.py)
-    Float("code_timeout_s", 5.0, "wall-clock limit of one sample's tests", gt=0, le=600),
+    Float("code_timeout_s", 5.0, "CPU seconds each process of one sample's tests may use (a wall clock of 3x + 5 s ends one that sleeps)", gt=0, le=600),
     Int("code_memory_mb", 512, "address-space limit of one sample", ge=64),
     Int("code_workers", 0, "samples run at once; 0: one per CPU of this rank (its affinity mask, divided by "
         "the node's ranks when the mask is the whole node)", ge=0),
