@@ -185,6 +185,10 @@ def _code_result(res, shape: str, format_score: float) -> dict:
             "extract": shape}
 
 
+# the spec's default code_timeout_s: CPU seconds (sandbox.cpu_limits), also through verl's loader
+CODE_TIMEOUT_S = 5.0
+
+
 def _unscored(reason: str, e: BaseException) -> dict:
     return {"score": 0.0, "pass_rate": 0.0, "all_passed": 0.0, "reason": reason, "judged_inside": 0.0,
             "detail": f"{type(e).__name__}: {e}"[:200]}
@@ -197,7 +201,7 @@ def code_score(solution_str: str, ground_truth, format_score: float = CODE_FORMA
     sandbox = _sandbox()
     try:
         code, tests, shape = _code_job(solution_str, ground_truth)
-        res = sandbox.run_tests(code, tests, limits or sandbox.Limits())
+        res = sandbox.run_tests(code, tests, limits or sandbox.cpu_limits(CODE_TIMEOUT_S))
     except ValueError as e:  # json.loads, _code_job, a test that is neither an assert nor a pair
         return _unscored("bad_tests", e)
     except Exception as e:
@@ -221,7 +225,7 @@ def code_score_batch(solution_strs, ground_truths, format_score: float = CODE_FO
             out[i] = _unscored("bad_tests", e)
         except Exception as e:
             out[i] = _unscored("crash", e)
-    results = sandbox.run_batch(jobs, limits or sandbox.Limits(), workers, dedupe) if jobs else []
+    results = sandbox.run_batch(jobs, limits or sandbox.cpu_limits(CODE_TIMEOUT_S), workers, dedupe) if jobs else []
     for i, r, shape in zip(where, results, shapes):
         out[i] = _code_result(r, shape, format_score)
     return out

@@ -37,3 +37,14 @@ def test_the_limits_from_a_spec_are_cpu_seconds_with_a_longer_wall_backstop():
     from hpcrl.envs import code_repair
 
     assert "sandbox.cpu_limits(" in open(code_repair.__file__, encoding="utf-8").read()
+
+
+def test_the_default_limits_of_the_code_score_verl_loads_are_cpu_seconds_too():
+    # rewards.code_score / code_score_batch without limits (verl's reward loader calls them so):
+    # 5 s of CPU, the spec's default; a correct answer stalled 6 s still scores
+    from hpcrl.rewards import score as rewards
+
+    stalled = "```python\nimport time\ntime.sleep(6)\n" + ADD + "\n```"
+    assert rewards.code_score(stalled, TESTS)["score"] == 1.0
+    assert [r["reason"] for r in rewards.code_score_batch(["```python\nwhile True:\n    pass\n```", stalled],
+                                                           [TESTS, TESTS])] == ["timeout", "ok"]
