@@ -284,9 +284,13 @@ def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: fl
     verdicts = _read_verdicts(out, marker, timed_out, len(tests))
     if isinstance(verdicts, str):  # the sample as a whole timed out or crashed
         return Result(0.0, 0, len(tests), verdicts, time.monotonic() - t0)
+    if _out_of_time(verdicts):
+        return Result(0.0, 0, len(tests), "timeout", time.monotonic() - t0)
     inside = [i for i, v in enumerate(verdicts) if v[0] == "inside"]
     for i in inside:
         verdicts[i] = _inside_verdict(code, tests[i], limits, level, python, server)
+    if _out_of_time(verdicts):
+        return Result(0.0, 0, len(tests), "timeout", time.monotonic() - t0, inside=len(inside))
     per_test, reason, detail = [], "ok", ""
     for ok, kind, what in verdicts:
         per_test.append(ok)
@@ -298,6 +302,14 @@ def _run(code: str, tests: list, limits: Limits, level: str, python: str, t0: fl
 
 
 _KINDS = ("error", "wrong_answer", "output_limit", "not_data", "timeout", "crash")
+
+
+def _out_of_time(verdicts: list) -> bool:
+    """Whether a process of the sample reached its CPU limit (a test's verdict `timeout`). The
+    sample is then a timeout as a whole, 0 passed and no detail, as when the wall clock ends it
+    (its verdicts unread): which of the two ends a program first depends on the machine's load,
+    and the score and the code-repair feedback must not (a resumed run scores as the first did)."""
+    return any(v[0] is False and v[1] == "timeout" for v in verdicts)
 
 
 def _read_verdicts(out: bytes, marker: str, timed_out: bool, n: int):

@@ -48,3 +48,23 @@ def test_the_default_limits_of_the_code_score_verl_loads_are_cpu_seconds_too():
     assert rewards.code_score(stalled, TESTS)["score"] == 1.0
     assert [r["reason"] for r in rewards.code_score_batch(["```python\nwhile True:\n    pass\n```", stalled],
                                                            [TESTS, TESTS])] == ["timeout", "ok"]
+
+
+LOOPS_ON_TWO = "def f(x):\n    while x == 2:\n        pass\n    return x\ndef g(fn):\n    while True:\n        pass"
+
+
+def test_a_sample_ended_by_its_cpu_limit_scores_as_one_ended_by_the_wall_clock():
+    # Which limit ends a looping program first depends on the machine's load (the wall clock is a
+    # backstop several times the CPU limit). A resumed code-repair run once differed from the
+    # first here: the CPU limit ended a sample in one ("the program's process ended", the tests
+    # before the loop counted) and the wall clock in the other. Both are now one result.
+    from hpcrl.envs import code_repair
+
+    cases = {"split": ["assert f(1) == 1", "assert f(2) == 2", "assert f(3) == 3"],
+             "inside": ["assert f(1) == 1", "assert g(lambda: 1) == 1"]}  # a lambda: judged beside the program
+    for name, tests in cases.items():
+        by_cpu = sandbox.run_tests(LOOPS_ON_TWO, tests, sandbox.Limits(timeout_s=120.0, cpu_s=1))
+        by_wall = sandbox.run_tests(LOOPS_ON_TWO, tests, sandbox.Limits(timeout_s=2.0, cpu_s=120))
+        shown = [(r.score, r.passed, r.total, r.reason, r.detail, r.per_test, r.inside) for r in (by_cpu, by_wall)]
+        assert shown[0] == shown[1] and shown[0][:5] == (0.0, 0, len(tests), "timeout", ""), (name, shown)
+        assert code_repair.feedback(by_cpu, tests) == code_repair.feedback(by_wall, tests)
