@@ -328,7 +328,14 @@ def dedicated_node(home: Path, nice: int = DEDICATED_NICE, poll: float = 1.0):
     over 6 minutes (CI of 2026-12-06: three segments killed before their first step). What those
     tests assert is hpcrl's protocol at the deadline, not how long a start-up takes on a shared
     CPU; every bound they have stays as it was. Raising priority needs root (CAP_SYS_NICE): as a
-    regular user this changes nothing, and the tests run as before."""
+    regular user this changes nothing, and the tests run as before.
+
+    What it does not do: where the kernel's autogroup scheduling is on (this machine:
+    /proc/sys/kernel/sched_autogroup_enabled is 1), the CPU is shared between sessions first, and a
+    thread's nice weighs only against the threads of its own session; a segment (setsid) is a
+    session of its own. Measured in session 23 (BENCHMARKS.md): the SmolLM2 run's trainer got the
+    same 0.3-0.5 of a core at nice -5 and -10 as at 0. The tiers' longer first segments are what
+    holds their start-ups; a session's own weight would be /proc/PID/autogroup (not set here)."""
     import threading
 
     tag = f"HPCRL_RUN_DIR={home}/runs/".encode()
