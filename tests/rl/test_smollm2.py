@@ -123,12 +123,13 @@ def test_smollm2_recipe_learns_through_submit_across_segments(fast_local, tmp_pa
     hpcrl("init", "--recipe", "smollm2-arithmetic", "--out", spec)
     hpcrl("submit", spec, "--site", fast_local, "--name", "sm", "--hours", "1")
     rdir = run_dir("sm")
-    # Bounds for a loaded machine, not a speed. The run needs ~1,700 s of CPU (~150 s a step, bf16
-    # on this CPU); its trainer is runnable all the time, and beside the full suite it gets 0.3-0.5
-    # of a core: steps 1-4 took 2,117 s (ci23a) and over 3,000 s (stop 47's CI), steps 5-10 ~110-
-    # 260 s each once the other tiers are done. A higher nice does not buy it more here (-5 and -10
-    # were tried: the same 400-630 s steps): the kernel's autogroup scheduling shares the CPU between
-    # sessions first, and this segment is a session of its own (BENCHMARKS.md, session 23).
+    # Bounds for a loaded machine, not a speed. The run needs ~1,000 s of CPU alone and ~1,700
+    # beside the suite (~100 / ~150 s a step, bf16 on this CPU; 988 s wall alone). Its trainer is
+    # runnable all the time, and beside the full suite it gets 0.3-0.5 of a core: steps 1-4 took
+    # 2,117 s (ci23a) and over 3,000 s (stop 47's CI), steps 5-10 ~110-260 s each once the other
+    # tiers are done. A higher nice does not buy it more here (-5 and -10 were tried: the same
+    # 400-630 s steps): the kernel's autogroup scheduling shares the CPU between sessions first, and
+    # this segment is a session of its own (BENCHMARKS.md, session 23).
     wait_until(lambda: len(_train_steps(rdir)) >= 4 or run_state("sm")["state"] in RUN_END_STATES, timeout=3600,
                what="step 4 of the SmolLM2 run")
     assert len(_train_steps(rdir)) >= 4, run_state("sm")
